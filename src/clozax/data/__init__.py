@@ -1,0 +1,11 @@
+"""Corpus preparation (``clozax prepare``) and the prepared-dataset format."""
+
+from clozax.data.dataset import FORMAT_VERSION, Dataset, Split, open_dataset
+from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN
+from clozax.data.prepare import PrepareConfig, prepare
+from clozax.data.tokenizer import SPECIAL_NAMES, SPECIAL_TOKENS
+
+__all__ = [
+    "FORMAT_VERSION", "MAX_SEQ_LEN", "MIN_SEQ_LEN", "SPECIAL_NAMES", "SPECIAL_TOKENS",
+    "Dataset", "PrepareConfig", "Split", "open_dataset", "prepare",
+]

@@ -1,0 +1,213 @@
+"""The on-disk dataset format: writing it row by row, and opening it memory-mapped.
+
+Layout of a dataset directory (``FORMAT_VERSION`` 1)::
+
+    manifest.json               accounting, split sizes, tokenizer, seq_len, fingerprint
+    tokenizer.json              the frozen tokenizer (sha256 in the manifest)
+    {split}.tokens.npy          (rows, seq_len) uint16, or uint32 when vocab > 65536
+    {split}.segments.npy        (rows, seq_len) uint16: 1..n per document piece, 0 = padding
+    {split}.word_starts.npy     (rows, seq_len) bool: first token of a word (specials too)
+    {split}.documents.jsonl     one line per document: index (corpus order within the split),
+                                id, group, label, source, tokens (body tokens without
+                                specials) and chunks: [[row, segment], ...] in chunk order
+
+``documents.jsonl`` lines are written when a document's last chunk is placed, so they are not
+in corpus order; sort by ``index`` to restore it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from clozax.data.packing import PackedRow
+from clozax.data.split import SPLITS
+from clozax.data.tokenizer import SPECIAL_NAMES, file_sha256
+
+FORMAT_VERSION = 1
+ARRAYS = ("tokens", "segments", "word_starts")
+_NPY_HEADER_BYTES = 128  # fixed, so the row count can be rewritten in place at the end
+_ROWS_PER_WRITE = 1024
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, int]) -> bytes:
+    descr = np.lib.format.dtype_to_descr(dtype)
+    text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {shape}, }}"
+    body_len = _NPY_HEADER_BYTES - 10
+    assert len(text) < body_len, text
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", body_len) + \
+        (text.ljust(body_len - 1) + "\n").encode("latin1")
+
+
+class SplitWriter:
+    """Appends packed rows of one split to its ``.npy`` files and documents to its JSONL.
+
+    Rows are buffered a few at a time and the ``.npy`` headers rewritten with the final row
+    count on ``close``, so memory does not grow with the corpus.
+    """
+
+    def __init__(self, directory: Path, split: str, seq_len: int, dtype: np.dtype):
+        self.seq_len = seq_len
+        self.dtypes = {"tokens": dtype, "segments": np.dtype(np.uint16),
+                       "word_starts": np.dtype(bool)}
+        self.files: dict[str, IO[bytes]] = {}
+        for name in ARRAYS:
+            f = (directory / f"{split}.{name}.npy").open("wb")
+            f.write(_npy_header(self.dtypes[name], (0, seq_len)))
+            self.files[name] = f
+        self.documents = (directory / f"{split}.documents.jsonl").open("w", encoding="utf-8")
+        self.buffer: dict[str, list[np.ndarray]] = {name: [] for name in ARRAYS}
+        self.pending: dict[int, tuple[dict, int]] = {}  # doc -> (record, chunks left)
+        self.rows = 0
+        self.tokens = 0  # non-pad tokens
+
+    def add_document(self, index: int, record: dict, chunks: int) -> None:
+        """Register a document before its pieces are packed."""
+        record = {"index": index, **record, "chunks": [None] * chunks}
+        self.pending[index] = (record, chunks)
+
+    def write_row(self, row: PackedRow) -> None:
+        self.buffer["tokens"].append(row.tokens.astype(self.dtypes["tokens"]))
+        self.buffer["segments"].append(row.segments)
+        self.buffer["word_starts"].append(row.word_starts)
+        self.tokens += int(np.count_nonzero(row.segments))
+        for doc, chunk, segment in row.placements:
+            record, left = self.pending[doc]
+            record["chunks"][chunk] = [self.rows, segment]
+            if left == 1:
+                del self.pending[doc]
+                self.documents.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                self.pending[doc] = (record, left - 1)
+        self.rows += 1
+        if len(self.buffer["tokens"]) >= _ROWS_PER_WRITE:
+            self._drain()
+
+    def _drain(self) -> None:
+        for name in ARRAYS:
+            if self.buffer[name]:
+                self.files[name].write(np.stack(self.buffer[name]).tobytes())
+                self.buffer[name] = []
+
+    def close(self) -> None:
+        self._drain()
+        assert not self.pending, f"{len(self.pending)} documents never fully placed"
+        for name in ARRAYS:
+            f = self.files[name]
+            f.seek(0)
+            f.write(_npy_header(self.dtypes[name], (self.rows, self.seq_len)))
+            f.close()
+        self.documents.close()
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split's arrays, memory-mapped read-only."""
+
+    tokens: np.ndarray  # (rows, seq_len) uint16 or uint32
+    segments: np.ndarray  # (rows, seq_len) uint16, 0 = padding
+    word_starts: np.ndarray  # (rows, seq_len) bool
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A prepared dataset directory (see the module docstring for the layout)."""
+
+    path: Path
+    manifest: dict
+    train: Split
+    heldout: Split
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.manifest["seq_len"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def specials(self) -> dict[str, int]:
+        return {name: int(self.manifest["tokenizer"]["specials"][name]) for name in SPECIAL_NAMES}
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / self.manifest["tokenizer"]["file"]
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return str(self.manifest["tokenizer"]["sha256"])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.manifest["corpus_fingerprint"])
+
+
+def open_dataset(path: str | Path) -> Dataset:
+    """Open and validate a dataset directory written by ``clozax prepare``."""
+    path = Path(path)
+    redo = f"run `clozax prepare --out {path} --overwrite` to rebuild it"
+    if not path.is_dir():
+        raise ValueError(f"dataset {path} does not exist; run `clozax prepare --out {path}` "
+                         "first")
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"dataset {path} has no manifest.json; run `clozax prepare --out "
+                         f"{path}` first")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        seq_len = int(manifest["seq_len"])
+        tokenizer = manifest["tokenizer"]
+        specials = {name: int(tokenizer["specials"][name]) for name in SPECIAL_NAMES}
+        vocab_size = int(tokenizer["vocab_size"])
+        splits = {name: int(manifest["splits"][name]["rows"]) for name in SPLITS}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"dataset {path} has an unreadable manifest.json ({type(e).__name__}: "
+                         f"{e}); {redo}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"dataset {path} has format_version {manifest.get('format_version')!r}"
+                         f", this clozax reads {FORMAT_VERSION}; {redo}")
+    if any(not 0 <= i < vocab_size for i in specials.values()):
+        raise ValueError(f"dataset {path} has special ids {specials} outside its vocabulary of "
+                         f"{vocab_size}; {redo}")
+    tokenizer_path = path / tokenizer["file"]
+    if not tokenizer_path.is_file():
+        raise ValueError(f"dataset {path} lacks {tokenizer['file']}; {redo}")
+    if file_sha256(tokenizer_path) != tokenizer["sha256"]:
+        raise ValueError(f"dataset {path}: {tokenizer['file']} does not match the sha256 in "
+                         f"manifest.json (was it edited?); {redo}")
+    expected_dtypes = {"tokens": token_dtype(vocab_size), "segments": np.dtype(np.uint16),
+                       "word_starts": np.dtype(bool)}
+    opened = {}
+    for split, rows in splits.items():
+        arrays = {}
+        for name in ARRAYS:
+            file = path / f"{split}.{name}.npy"
+            if not file.is_file():
+                raise ValueError(f"dataset {path} lacks {file.name}; {redo}")
+            try:
+                array = np.load(file, mmap_mode="r")
+            except (ValueError, OSError) as e:
+                raise ValueError(f"dataset {path}: {file.name} is not a readable .npy file "
+                                 f"({e}); {redo}") from None
+            if array.shape != (rows, seq_len) or array.dtype != expected_dtypes[name]:
+                raise ValueError(f"dataset {path}: {file.name} has shape {array.shape} "
+                                 f"{array.dtype}, manifest says ({rows}, {seq_len}) "
+                                 f"{expected_dtypes[name]}; {redo}")
+            arrays[name] = array
+        opened[split] = Split(**arrays)
+    return Dataset(path=path, manifest=manifest, train=opened["train"],
+                   heldout=opened["heldout"])

@@ -1,0 +1,105 @@
+"""Batches as a pure function of ``(data_seed, index)``, and a prefetching iterator.
+
+Rows are visited epoch by epoch, each epoch in a permutation that is a pure function of
+``(data_seed, epoch)``; batch ``i`` is computable from ``i`` alone, so resuming needs only the
+step number (no skipping through the data, no iterator state to save). The last
+``rows % batch_size`` rows of each epoch's permutation wait for a later epoch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from functools import lru_cache
+
+import numpy as np
+
+
+@lru_cache(maxsize=4)
+def epoch_permutation(data_seed: int, epoch: int, rows: int) -> np.ndarray:
+    """The row order of one epoch: a pure function of (data_seed, epoch, rows)."""
+    return np.random.default_rng([data_seed, epoch]).permutation(rows)
+
+
+def batch_rows(data_seed: int, index: int, rows: int, batch_size: int) -> np.ndarray:
+    """Row indices of global batch ``index`` (0-based)."""
+    per_epoch = rows // batch_size
+    if per_epoch == 0:
+        raise ValueError(
+            f"the training split has {rows} rows, fewer than one batch of {batch_size}; "
+            "lower train.batch_size or prepare more data"
+        )
+    epoch, within = divmod(index, per_epoch)
+    start = within * batch_size
+    return epoch_permutation(data_seed, epoch, rows)[start : start + batch_size]
+
+
+def host_batch(split, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Read rows from the memory-mapped split. Returns (batch, seq) arrays."""
+    order = np.argsort(rows, kind="stable")  # read the memmap in ascending order, then restore
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    sorted_rows = rows[order]
+    return {
+        "tokens": np.asarray(split.tokens[sorted_rows], np.int32)[inverse],
+        "segments": np.asarray(split.segments[sorted_rows], np.int32)[inverse],
+        "word_starts": np.asarray(split.word_starts[sorted_rows], bool)[inverse],
+    }
+
+
+class Prefetcher:
+    """Produce batches ``start, start+1, …, stop-1`` on a background thread.
+
+    ``make(i)`` builds batch ``i`` (host read and device transfer); ``depth`` batches are kept
+    ready so the step never waits for data when the reader keeps up. The time the consumer
+    waited is accumulated in ``wait_seconds``.
+    """
+
+    def __init__(self, make: Callable[[int], object], start: int, stop: int, depth: int = 2):
+        import time
+
+        self._time = time.perf_counter
+        self.wait_seconds = 0.0
+        self._make = make
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
+        self._thread.start()
+
+    def _run(self, start: int, stop: int) -> None:
+        try:
+            for i in range(start, stop):
+                item = (i, self._make(i))
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(("done", None))
+        except BaseException as e:  # surface reader errors in the consumer
+            self._queue.put(("error", e))
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        t0 = self._time()
+        item = self._queue.get()
+        self.wait_seconds += self._time() - t0
+        if item[0] == "error":
+            raise item[1]
+        if item[0] == "done":
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass

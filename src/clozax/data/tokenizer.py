@@ -1,0 +1,109 @@
+"""The frozen subword tokenizer: trained on the train split only, or given as a file.
+
+Determinism: HF ``tokenizers``' BPE trainer without a subword prefix or suffix gives the same
+vocabulary in every process; its WordPiece trainer does not (huggingface/tokenizers #1794,
+hash-map iteration order). So ``bpe`` is the default. Its pre-tokeniser splits like BERT's
+(on whitespace and punctuation) but marks word starts with ``▁`` (Metaspace), so ``decode``
+restores spaces without a prefix/suffix that would break determinism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+SPECIAL_NAMES = ("pad", "unk", "cls", "sep", "mask")
+SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]",
+                  "mask": "[MASK]"}
+TOKENIZER_MODELS = ("bpe", "wordpiece")
+_WORD_MARK = "\u2581"  # ▁
+
+
+def train_tokenizer(texts: Iterable[str], *, model: str, vocab_size: int, lowercase: bool,
+                    length: int | None = None) -> Tokenizer:
+    """Train a tokenizer whose specials sit at ids 0..4 in ``SPECIAL_NAMES`` order."""
+    specials = [SPECIAL_TOKENS[name] for name in SPECIAL_NAMES]
+    bert_normaliser = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=False)
+    if model == "bpe":
+        tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk"]))
+        tok.normalizer = normalizers.Sequence(
+            [bert_normaliser, normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()])
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Metaspace(replacement=_WORD_MARK, prepend_scheme="always"),
+            pre_tokenizers.Punctuation(),
+        ])
+        tok.decoder = decoders.Metaspace(replacement=_WORD_MARK, prepend_scheme="always")
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                      show_progress=False)
+    elif model == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token=SPECIAL_TOKENS["unk"]))
+        tok.normalizer = bert_normaliser
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                            show_progress=False)
+    else:
+        raise ValueError(f"tokenizer model {model!r} is unknown; use one of "
+                         f"{', '.join(TOKENIZER_MODELS)}")
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small for the {len(specials)} special tokens "
+            f"plus the train split's alphabet ({tok.get_vocab_size()} entries needed); raise "
+            f"--vocab-size to at least {tok.get_vocab_size()}")
+    ids = find_specials(tok)
+    assert list(ids.values()) == list(range(len(SPECIAL_NAMES))), ids
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL_TOKENS['cls']} $A {SPECIAL_TOKENS['sep']}",
+        pair=f"{SPECIAL_TOKENS['cls']} $A {SPECIAL_TOKENS['sep']} $B:1 {SPECIAL_TOKENS['sep']}:1",
+        special_tokens=[(SPECIAL_TOKENS["cls"], ids["cls"]), (SPECIAL_TOKENS["sep"], ids["sep"])],
+    )
+    return tok
+
+
+def find_specials(tok: Tokenizer) -> dict[str, int]:
+    """Ids of the five specials by BERT-style name; error naming any that is missing."""
+    ids = {name: tok.token_to_id(SPECIAL_TOKENS[name]) for name in SPECIAL_NAMES}
+    missing = [SPECIAL_TOKENS[name] for name, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer lacks special token(s) {', '.join(missing)}; add them to "
+                         "its vocabulary or let `clozax prepare` train one (drop --tokenizer)")
+    if len(set(ids.values())) != len(ids):
+        raise ValueError(f"tokenizer maps two special tokens to one id ({ids}); give each of "
+                         f"{', '.join(SPECIAL_TOKENS.values())} its own id")
+    return {name: int(i) for name, i in ids.items()}
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """Load a ``tokenizer.json`` unchanged; ``ValueError`` when it cannot be used."""
+    if not path.is_file():
+        raise ValueError(f"tokenizer file {path} does not exist; pass an existing "
+                         "tokenizer.json or drop --tokenizer to train one")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"tokenizer file {path} is not a valid tokenizer.json "
+                         f"({str(e).splitlines()[0][:200]}); pass a file saved by "
+                         "HF tokenizers") from None
+    find_specials(tok)
+    return tok
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

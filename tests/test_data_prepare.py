@@ -1,0 +1,214 @@
+"""``clozax prepare`` end to end: determinism, atomic writes, opening, and CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clozax.cli import main
+from clozax.data import open_dataset, prepare
+
+WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
+
+
+def _corpus(root: Path, n_files: int = 30, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    (root / "docs").mkdir(parents=True)
+    for i in range(n_files):
+        text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
+                         for _ in range(rng.randint(1, 3)))
+        (root / "docs" / f"file{i:02d}.txt").write_text(text)
+    return root / "docs"
+
+
+def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "clozax.cli", "prepare", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kw)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.slow
+def test_same_seed_gives_byte_identical_output_in_two_processes(tmp_path):
+    corpus = _corpus(tmp_path)
+    args = ["--corpus", str(corpus), "--vocab-size", "120", "--seq-len", "32",
+            "--heldout-fraction", "0.2", "--quiet"]
+    runs = [_cli("--out", str(tmp_path / name), *args) for name in ("a", "b")]
+    for run in runs:
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert sorted(a) == sorted(b) == sorted([
+        "manifest.json", "tokenizer.json", *(f"{s}.{k}" for s in ("train", "heldout")
+                                             for k in ("tokens.npy", "segments.npy",
+                                                       "word_starts.npy", "documents.jsonl"))])
+    assert a == b
+
+
+def _kill_before_rename(out: Path, args: list[str]) -> None:
+    """Start prepare, wait until its temporary directory is complete, SIGKILL it."""
+    run = _cli("--out", str(out), *args, env={"CLOZAX_TEST_PAUSE_BEFORE_RENAME": "60"})
+    deadline = time.monotonic() + 60
+    while not list(out.parent.glob(f".{out.name}.partial-*/manifest.json")):
+        assert run.poll() is None, run.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    run.communicate()
+
+
+@pytest.mark.slow
+def test_killed_run_leaves_no_partial_output_and_keeps_the_old_one(tmp_path):
+    corpus = _corpus(tmp_path)
+    out = tmp_path / "ds"
+    args = ["--corpus", str(corpus), "--vocab-size", "120", "--seq-len", "32",
+            "--heldout-fraction", "0.2", "--quiet"]
+    _kill_before_rename(out, args)
+    assert not out.exists()
+    prepare(out, corpus=str(corpus), vocab_size=120, seq_len=32, heldout_fraction=0.2,
+            quiet=True)
+    before = _files(out)
+    _kill_before_rename(out, [*args, "--seq-len", "16", "--overwrite"])
+    assert _files(out) == before
+    assert list(tmp_path.glob(".ds.partial-*"))  # the killed runs' leftovers, hidden
+    prepare(out, corpus=str(corpus), vocab_size=120, seq_len=32, heldout_fraction=0.2,
+            quiet=True, overwrite=True)
+    assert not list(tmp_path.glob(".ds.*"))  # cleaned by the next run
+
+
+def test_existing_output_is_refused_unless_overwrite(tmp_path):
+    corpus = _corpus(tmp_path)
+    opts = dict(corpus=str(corpus), vocab_size=120, seq_len=32, heldout_fraction=0.2,
+                quiet=True)
+    prepare(tmp_path / "ds", **opts)
+    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+        prepare(tmp_path / "ds", **opts)
+    manifest = prepare(tmp_path / "ds", overwrite=True, **{**opts, "seq_len": 16})
+    assert open_dataset(tmp_path / "ds").seq_len == 16 == manifest["seq_len"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_open_dataset_exposes_arrays_and_rejects_tampering(tmp_path):
+    corpus = _corpus(tmp_path)
+    out = tmp_path / "ds"
+    manifest = prepare(out, corpus=str(corpus), vocab_size=120, seq_len=32,
+                       heldout_fraction=0.2, quiet=True)
+    ds = open_dataset(out)
+    assert ds.train.tokens.dtype == np.uint16 and isinstance(ds.train.tokens, np.memmap)
+    assert ds.train.tokens.shape == (manifest["splits"]["train"]["rows"], 32)
+    assert ds.specials == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    assert ds.vocab_size <= 120 and ds.fingerprint == manifest["corpus_fingerprint"]
+    assert 0 < manifest["packing_efficiency"] <= 1
+    d = manifest["documents"]
+    assert d["read"] == d["kept"] + d["duplicates"] + d["skipped"]
+
+    with pytest.raises(ValueError, match="no manifest.json; run `clozax prepare --out"):
+        open_dataset(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        open_dataset(tmp_path / "nope")
+    tok = out / "tokenizer.json"
+    tok.write_text(tok.read_text() + " ")
+    with pytest.raises(ValueError, match="does not match the sha256"):
+        open_dataset(out)
+    prepare(out, corpus=str(corpus), vocab_size=120, seq_len=32, heldout_fraction=0.2,
+            quiet=True, overwrite=True)
+    np.save(out / "heldout.segments.npy", np.zeros((1, 32), np.uint16))
+    with pytest.raises(ValueError, match=r"heldout.segments.npy has shape \(1, 32\)"):
+        open_dataset(out)
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    corpus = _corpus(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text(" \n\t\n")
+    (tmp_path / "empty" / "b.md").write_text("")
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "x.csv").write_text("a,b")
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "a.txt").write_bytes(b"\x00\x01\x02")
+    (tmp_path / "binary" / "b.txt").write_bytes(b"\xff\xfe")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
+    (tmp_path / "exists").mkdir()
+    c = ["--corpus", str(corpus), "--quiet", "--heldout-fraction", "0.2"]
+    return {
+        "missing path": (["--corpus", str(tmp_path / "missing")], "does not exist"),
+        "no supported files": (["--corpus", str(tmp_path / "nothing")], "no supported files"),
+        "empty corpus": (["--corpus", str(tmp_path / "empty")], "was skipped"),
+        "all binary": (["--corpus", str(tmp_path / "binary")], "a.txt: binary content"),
+        "strict": (["--corpus", str(tmp_path / "bad.jsonl"), "--strict"],
+                   "bad.jsonl:2: not valid JSON"),
+        "seq-len small": ([*c, "--seq-len", "4"], "--seq-len 4 is outside [8, 512]"),
+        "seq-len large": ([*c, "--seq-len", "1024"], "--seq-len 1024 is outside"),
+        "vocab too small": ([*c, "--vocab-size", "12"], "--vocab-size 12 is too small"),
+        "heldout empty": ([*c, "--heldout-fraction", "0.0001"], "heldout split would be empty"),
+        "output exists": ([*c], "already exists; pass --overwrite"),
+        "given tokenizer missing": ([*c, "--tokenizer", str(tmp_path / "t.json")],
+                                    "tokenizer file"),
+    }
+
+
+def test_cli_bad_inputs_exit_2_with_one_line_error(tmp_path, capsys):
+    for name, (args, expected) in _bad_inputs(tmp_path).items():
+        out = tmp_path / ("exists" if name == "output exists" else f"out-{len(name)}")
+        with pytest.raises(SystemExit) as exit_info:
+            main(["prepare", "--out", str(out), "--quiet", *args])
+        captured = capsys.readouterr()
+        assert exit_info.value.code == 2, name
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (name, captured.err)
+        assert expected in lines[0].replace("\n", ""), (name, lines[0])
+        assert name == "output exists" or not out.exists(), name
+
+
+@pytest.mark.slow
+def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path):
+    run = _cli("--out", str(tmp_path / "o"), "--corpus", str(tmp_path / "missing"))
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 2
+    assert err.startswith("error: corpus path") and "Traceback" not in err + out
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_manifest_records_what_the_lead_needs(tmp_path):
+    corpus = _corpus(tmp_path)
+    manifest = prepare(tmp_path / "ds", corpus=str(corpus), vocab_size=120, seq_len=32,
+                       heldout_fraction=0.2, quiet=True)
+    on_disk = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert on_disk == manifest
+    for key in ("documents", "skipped", "splits", "tokenizer", "seq_len", "packing_efficiency",
+                "seed", "corpus_fingerprint", "clozax_version", "format_version"):
+        assert key in manifest
+    for split in ("train", "heldout"):
+        assert set(manifest["splits"][split]) >= {"documents", "groups", "rows", "tokens",
+                                                  "pad_tokens"}
+        s = manifest["splits"][split]
+        assert s["rows"] * 32 == s["tokens"] + s["pad_tokens"]
+    assert set(manifest["tokenizer"]) >= {"file", "sha256", "vocab_size", "trained_on",
+                                          "specials", "model", "lowercase"}
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_dataset(tmp_path):
+    corpus = _corpus(tmp_path)
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(ValueError, match="not a clozax dataset"):
+        prepare(precious, corpus=str(corpus), overwrite=True, quiet=True)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_unknown_prepare_option_lists_the_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match="unknown prepare option.*seq_lenn.*valid: corpus"):
+        prepare(tmp_path / "ds", seq_lenn=64)
