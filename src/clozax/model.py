@@ -1,0 +1,416 @@
+"""The encoder: pure functions over a parameter pytree (no module classes).
+
+``init(config, key) -> params``; ``apply(params, config, inputs, attention_mask, segments)``
+returns the final hidden states; ``gather`` picks the selected positions and ``mlm_logits`` runs
+the MLM head only there, so the vocabulary projection never sees unselected positions.
+
+Axis names: ``batch`` sequences of ``seq`` positions, ``hidden`` features, ``heads`` attention
+heads of ``head_dim`` features, ``count`` selected slots per sequence, ``vocab`` token ids,
+``layers`` stacked blocks.
+
+Architecture: token embeddings + learned absolute positions (0..seq-1) -> embedding LayerNorm ->
+``layers`` residual blocks (bidirectional multi-head self-attention, exact-erf GELU MLP) run with
+``jax.lax.scan`` over stacked parameters. ``layer_norm="post"`` is original BERT
+(``x = LN(x + attn(x)); x = LN(x + mlp(x))``); ``layer_norm="pre"`` is RoBERTa-PreLayerNorm
+(``x = x + attn(LN(x)); x = x + mlp(LN(x))``, then a final LayerNorm after the last block).
+
+Parameter layout and the Hugging Face tensor each leaf maps to (``i`` indexes the leading
+``layers`` axis). Kernels are stored ``(in, out)``; HF ``nn.Linear`` weights are ``(out, in)``,
+so export transposes them. ``B`` is ``bert.`` for ``BertForMaskedLM`` (post-LN) and
+``roberta_prelayernorm.`` for ``RobertaPreLayerNormForMaskedLM`` (pre-LN).
+
+====================================  ===================  ====================================
+clozax leaf                           shape                HF tensor (post-LN / pre-LN)
+====================================  ===================  ====================================
+embeddings.word                       (vocab, hidden)      B embeddings.word_embeddings.weight
+                                                           (also the tied decoder weight)
+embeddings.position                   (max_pos, hidden)    B embeddings.position_embeddings
+                                                           .weight (pre-LN: row p -> row p+2)
+embeddings.layer_norm.{scale,bias}    (hidden,)            B embeddings.LayerNorm.{weight,bias}
+layers.attention.query.kernel         (layers, hid, hid)   B encoder.layer.i.attention.self
+                                                           .query.weight (transposed)
+layers.attention.query.bias           (layers, hidden)     ... .attention.self.query.bias
+layers.attention.{key,value}.*        as query             ... .attention.self.{key,value}.*
+layers.attention.output.kernel/bias   (layers, hid, hid)   ... .attention.output.dense.*
+layers.attention_norm.{scale,bias}    (layers, hidden)     post: .attention.output.LayerNorm.*
+                                                           pre:  .attention.LayerNorm.*
+layers.intermediate.kernel/bias       (layers, hid, int)   ... .intermediate.dense.*
+layers.output.kernel/bias             (layers, int, hid)   ... .output.dense.*
+layers.mlp_norm.{scale,bias}          (layers, hidden)     post: .output.LayerNorm.*
+                                                           pre:  .intermediate.LayerNorm.*
+final_norm.{scale,bias} (pre-LN only) (hidden,)            roberta_prelayernorm.LayerNorm.*
+head.transform.kernel/bias            (hid, hid)           cls.predictions.transform.dense.*
+                                                           / lm_head.dense.*
+head.layer_norm.{scale,bias}          (hidden,)            cls.predictions.transform.LayerNorm.*
+                                                           / lm_head.layer_norm.*
+head.bias                             (vocab,)             cls.predictions.bias / lm_head.bias
+====================================  ===================  ====================================
+
+There are no token-type embeddings: on export ``token_type_embeddings.weight`` is written as
+zeros (type_vocab_size 1 or 2); on import row 0 is folded into every position embedding row,
+which is exact because HF uses token type 0 unless told otherwise. RoBERTa-PreLayerNorm derives
+position ids from ``input_ids != pad_token_id`` starting at ``pad_token_id + 1`` (2), so its
+position table has ``max_positions + 2`` rows and parity holds for right-padded batches. HF BERT
+uses ``hidden_act="gelu"`` (exact erf), which is what is used here.
+
+Dtypes: parameters are always float32. With ``compute_dtype="bfloat16"`` matmul operands
+(activations and kernels) are cast to bfloat16 while the residual stream, LayerNorm statistics,
+GELU and the attention softmax stay float32 (``jax.nn.dot_product_attention`` takes its softmax
+in float32). ``apply`` returns float32 hidden states for either compute dtype; ``mlm_logits``
+returns float32 logits.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, Any]
+
+LAYER_NORMS = ("pre", "post")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Encoder shape and numerics. Hashable, so it can be a static argument of ``jax.jit``."""
+
+    vocab_size: int = 8192
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    intermediate: int = 1024
+    max_positions: int = 512
+    layer_norm: str = "pre"  # "pre" (RobertaPreLayerNorm layout) or "post" (original BERT)
+    attention_within_segments: bool = False  # keep attention inside each packed document
+    compute_dtype: str = "float32"  # or "bfloat16"; parameters are always float32
+    layer_norm_eps: float = 1e-12
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(
+                    f"model.{name}={value!r} is not a positive integer; give a whole number >= 1"
+                )
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"model.heads={self.heads} does not divide model.hidden={self.hidden}; "
+                "choose heads that divide hidden"
+            )
+        if self.layer_norm not in LAYER_NORMS:
+            raise ValueError(
+                f"model.layer_norm={self.layer_norm!r} is not one of {LAYER_NORMS}; use 'pre' "
+                "(RoBERTa-PreLayerNorm, stable at high learning rates) or 'post' (original BERT)"
+            )
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"model.compute_dtype={self.compute_dtype!r} is not one of {COMPUTE_DTYPES}; "
+                "use 'float32' or 'bfloat16' (parameters stay float32 either way)"
+            )
+        if not isinstance(self.attention_within_segments, bool):
+            raise ValueError(
+                f"model.attention_within_segments={self.attention_within_segments!r} is not a "
+                "bool; use true or false"
+            )
+        for name in ("layer_norm_eps", "init_std"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(
+                    f"model.{name}={value!r} is not a finite positive number; "
+                    f"use e.g. {getattr(ModelConfig, name)}"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def dtype(self):
+        """The compute dtype as a jnp dtype."""
+        return jnp.dtype(self.compute_dtype)
+
+
+# Only the shape fields; numerics and options keep their defaults unless overridden.
+PRESETS: dict[str, dict] = {
+    "tiny": {"hidden": 32, "layers": 2, "heads": 2, "intermediate": 64, "max_positions": 128},
+    "small": {"hidden": 256, "layers": 4, "heads": 4, "intermediate": 1024, "max_positions": 512},
+    "base": {"hidden": 768, "layers": 12, "heads": 12, "intermediate": 3072, "max_positions": 512},
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of preset ``name`` with ``overrides`` applied (e.g. ``vocab_size``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    valid = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown model config key(s) {unknown}; valid keys are {valid}")
+    return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init(config: ModelConfig, key: jax.Array) -> Params:
+    """Fresh float32 parameters: N(0, init_std) kernels and embeddings, zero biases, unit scales.
+
+    Deterministic in ``key``; every tensor draws from its own named key.
+    """
+    c = config
+    L, H, I, V = c.layers, c.hidden, c.intermediate, c.vocab_size
+    names = ("word", "position", "query", "key", "value", "attn_out", "inter", "out", "head")
+    keys = dict(zip(names, jax.random.split(key, len(names)), strict=True))
+
+    def normal(name, shape):
+        return c.init_std * jax.random.normal(keys[name], shape, jnp.float32)
+
+    def dense(name, fan_in, fan_out, stacked):
+        lead = (L,) if stacked else ()
+        return {
+            "kernel": normal(name, (*lead, fan_in, fan_out)),
+            "bias": jnp.zeros((*lead, fan_out), jnp.float32),
+        }
+
+    def norm(stacked):
+        shape = (L, H) if stacked else (H,)
+        return {"scale": jnp.ones(shape, jnp.float32), "bias": jnp.zeros(shape, jnp.float32)}
+
+    params = {
+        "embeddings": {
+            "word": normal("word", (V, H)),
+            "position": normal("position", (c.max_positions, H)),
+            "layer_norm": norm(stacked=False),
+        },
+        "layers": {
+            "attention": {
+                "query": dense("query", H, H, stacked=True),
+                "key": dense("key", H, H, stacked=True),
+                "value": dense("value", H, H, stacked=True),
+                "output": dense("attn_out", H, H, stacked=True),
+            },
+            "attention_norm": norm(stacked=True),
+            "intermediate": dense("inter", H, I, stacked=True),
+            "output": dense("out", I, H, stacked=True),
+            "mlp_norm": norm(stacked=True),
+        },
+        "head": {
+            "transform": dense("head", H, H, stacked=False),
+            "layer_norm": norm(stacked=False),
+            "bias": jnp.zeros((V,), jnp.float32),
+        },
+    }
+    if c.layer_norm == "pre":
+        params["final_norm"] = norm(stacked=False)
+    return params
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def _layer_norm(x, p, eps):
+    """LayerNorm with float32 statistics; returns float32."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def _dense(x, p, dtype):
+    """``x @ kernel + bias`` with operands in the compute dtype; result in the compute dtype."""
+    return jnp.dot(x.astype(dtype), p["kernel"].astype(dtype)) + p["bias"].astype(dtype)
+
+
+def _gelu(x, dtype):
+    # Exact erf GELU (HF "gelu"), evaluated in float32; XLA fuses the casts into the op.
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(dtype)
+
+
+def _attention_mask(attention_mask, segments, within_segments):
+    """Boolean mask broadcastable to (batch, heads, q, k): True where a query may see a key."""
+    key_real = attention_mask[:, None, None, :]  # (batch, 1, 1, seq)
+    if not within_segments:
+        return key_real
+    same = segments[:, :, None] == segments[:, None, :]  # (batch, seq, seq)
+    return same[:, None, :, :] & key_real  # (batch, 1, seq, seq)
+
+
+def _block(x, p, mask, config: ModelConfig):
+    """One residual block. x: (batch, seq, hidden) float32 residual stream."""
+    c = config
+    dtype, eps, pre = c.dtype, c.layer_norm_eps, c.layer_norm == "pre"
+    batch, seq, _ = x.shape
+
+    # Attention, one fused QKV matmul.
+    h = _layer_norm(x, p["attention_norm"], eps) if pre else x
+    qkv = _dense(h, p["qkv"], dtype)  # (batch, seq, 3 * hidden)
+    qkv = qkv.reshape(batch, seq, 3, c.heads, c.head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (batch, seq, heads, head_dim)
+    ctx = jax.nn.dot_product_attention(q, k, v, mask=mask)  # (batch, seq, heads, head_dim)
+    attn = _dense(ctx.reshape(batch, seq, c.hidden), p["attention_output"], dtype)
+    x = x + attn.astype(jnp.float32)
+    if not pre:
+        x = _layer_norm(x, p["attention_norm"], eps)
+
+    # MLP.
+    h = _layer_norm(x, p["mlp_norm"], eps) if pre else x
+    h = _gelu(_dense(h, p["intermediate"], dtype), dtype)  # (batch, seq, intermediate)
+    x = x + _dense(h, p["output"], dtype).astype(jnp.float32)
+    if not pre:
+        x = _layer_norm(x, p["mlp_norm"], eps)
+    return x
+
+
+def _fused_layers(layers: Params) -> Params:
+    """Stacked per-layer parameters for the scan, with query/key/value fused along ``out``."""
+    att = layers["attention"]
+    qkv = {
+        part: jnp.concatenate([att[n][part] for n in ("query", "key", "value")], axis=-1)
+        for part in ("kernel", "bias")
+    }  # kernel (layers, hidden, 3 * hidden), bias (layers, 3 * hidden)
+    return {
+        "qkv": qkv,
+        "attention_output": att["output"],
+        "attention_norm": layers["attention_norm"],
+        "intermediate": layers["intermediate"],
+        "output": layers["output"],
+        "mlp_norm": layers["mlp_norm"],
+    }
+
+
+def _check_inputs(config: ModelConfig, inputs, attention_mask, segments):
+    if inputs.ndim != 2:
+        raise ValueError(
+            f"model inputs have shape {inputs.shape}; pass token ids shaped (batch, seq)"
+        )
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+        raise ValueError(f"model inputs have dtype {inputs.dtype}; pass integer token ids")
+    if attention_mask.shape != inputs.shape:
+        raise ValueError(
+            f"attention_mask shape {attention_mask.shape} differs from inputs shape "
+            f"{inputs.shape}; pass one flag per token (True = real token)"
+        )
+    if attention_mask.dtype != jnp.bool_ and not jnp.issubdtype(attention_mask.dtype, jnp.integer):
+        raise ValueError(
+            f"attention_mask has dtype {attention_mask.dtype}; pass a bool mask (True = real "
+            "token), not an additive float mask"
+        )
+    seq = inputs.shape[1]
+    if seq > config.max_positions:
+        raise ValueError(
+            f"sequence length {seq} exceeds model.max_positions={config.max_positions}; "
+            "shorten the sequences or raise model.max_positions"
+        )
+    if config.attention_within_segments:
+        if segments is None:
+            raise ValueError(
+                "model.attention_within_segments=true but no segments were given; pass "
+                "segment ids shaped (batch, seq) or set attention_within_segments=false"
+            )
+        if segments.shape != inputs.shape:
+            raise ValueError(
+                f"segments shape {segments.shape} differs from inputs shape {inputs.shape}; "
+                "pass one segment id per token (0 = padding)"
+            )
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def apply(
+    params: Params,
+    config: ModelConfig,
+    inputs: jax.Array,
+    attention_mask: jax.Array,
+    segments: jax.Array | None = None,
+    *,
+    unroll: int | bool = 1,
+) -> jax.Array:
+    """Final hidden states, float32 for either compute dtype.
+
+    inputs: (batch, seq) int token ids; attention_mask: (batch, seq) bool, True = real token;
+    segments: (batch, seq) int document ids (0 = padding), used only when
+    ``config.attention_within_segments``. Returns (batch, seq, hidden) float32.
+    Padding keys never influence any query; the hidden states at padded positions are
+    well-defined but meaningless.
+
+    ``unroll`` is a speed-only setting passed to ``jax.lax.scan`` over the layers: ``True``
+    unrolls every block (slower compile; on 2-core CPU about 10-20% faster fwd+bwd at the small
+    preset), ``1`` keeps one compiled block (fast compile for deep models).
+    """
+    inputs, attention_mask = jnp.asarray(inputs), jnp.asarray(attention_mask)
+    segments = None if segments is None else jnp.asarray(segments)
+    _check_inputs(config, inputs, attention_mask, segments)
+    c = config
+    seq = inputs.shape[1]
+    attention_mask = attention_mask.astype(jnp.bool_)
+    mask = _attention_mask(attention_mask, segments, c.attention_within_segments)
+
+    emb = params["embeddings"]
+    x = emb["word"][inputs] + emb["position"][None, :seq]  # (batch, seq, hidden) float32
+    x = _layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
+
+    def step(x, p):
+        return _block(x, p, mask, c), None
+
+    x, _ = jax.lax.scan(step, x, _fused_layers(params["layers"]), unroll=unroll)
+    if c.layer_norm == "pre":
+        x = _layer_norm(x, params["final_norm"], c.layer_norm_eps)
+    return x
+
+
+def gather(hidden: jax.Array, positions: jax.Array) -> jax.Array:
+    """Hidden states at selected positions.
+
+    hidden: (batch, seq, hidden); positions: (batch, count) int. Returns (batch, count, hidden).
+    """
+    if hidden.ndim != 3 or positions.ndim != 2 or positions.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"gather got hidden {hidden.shape} and positions {positions.shape}; pass "
+            "(batch, seq, hidden) and (batch, count) with the same batch"
+        )
+    return jnp.take_along_axis(hidden, positions[:, :, None], axis=1)
+
+
+def mlm_logits(params: Params, config: ModelConfig, hidden_sel: jax.Array) -> jax.Array:
+    """MLM head on gathered hidden states: dense -> GELU -> LayerNorm -> tied decoder + bias.
+
+    hidden_sel: (batch, count, hidden). Returns (batch, count, vocab) float32.
+    """
+    head, dtype = params["head"], config.dtype
+    h = _gelu(_dense(hidden_sel, head["transform"], dtype), dtype)
+    h = _layer_norm(h, head["layer_norm"], config.layer_norm_eps)  # (batch, count, hidden)
+    word = params["embeddings"]["word"].astype(dtype)  # (vocab, hidden)
+    # Contract on hidden directly: x @ E.T without materialising the transpose.
+    logits = jnp.einsum("bch,vh->bcv", h.astype(dtype), word, preferred_element_type=jnp.float32)
+    return logits + head["bias"]  # (batch, count, vocab)
+
+
+def decay_mask(params: Params) -> Params:
+    """Same-structure pytree of bool, True only for dense kernels (for ``optax.adamw(mask=)``).
+
+    Biases, LayerNorm scales/biases and embeddings are not decayed.
+    """
+
+    def is_kernel(path, _):
+        last = path[-1]
+        return getattr(last, "key", None) == "kernel"
+
+    return jax.tree_util.tree_map_with_path(is_kernel, params)
+
+
+def param_count(params: Params) -> int:
+    """Number of scalars in ``params`` (works on ``jax.eval_shape`` output too)."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params))
