@@ -1,0 +1,84 @@
+"""Reading a run directory: its resolved config, provenance and a checkpoint's parameters.
+
+A run directory (written by ``clozax train`` or ``clozax import-hf``) holds:
+``config.json`` (resolved RunConfig), ``run.json`` (provenance: dataset path and fingerprint,
+tokenizer sha256, specials, seeds), ``tokenizer.json`` (the frozen tokenizer), ``checkpoints/``
+(orbax; ``state`` = TrainState(step, params, opt_state) and ``meta`` JSON), ``eval_masks.npz`` +
+``eval_masks.json`` (the frozen eval-mask set), ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from clozax import checkpoint as ckpt
+from clozax import config as config_lib
+from clozax import model as model_lib
+
+
+@dataclass
+class LoadedRun:
+    path: Path
+    config: config_lib.RunConfig
+    info: dict  # run.json
+    step: int
+    params: dict
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / "tokenizer.json"
+
+    @property
+    def specials(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.info["specials"].items()}
+
+
+def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist; train one with `clozax train`")
+    cfg_path, info_path = run_dir / "config.json", run_dir / "run.json"
+    if not cfg_path.is_file() or not info_path.is_file():
+        raise ValueError(
+            f"{run_dir} is not a clozax run (no config.json/run.json); pass a directory written "
+            "by `clozax train` or `clozax import-hf`"
+        )
+    try:
+        return config_lib.load_json(cfg_path), json.loads(info_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} or run.json is not valid JSON ({e}); the run is damaged") from None
+
+
+def abstract_state(config: config_lib.RunConfig):
+    """Shapes/dtypes of TrainState for ``config``, without allocating (for restore)."""
+    from clozax.train import TrainState, make_optimizer
+
+    params = jax.eval_shape(lambda: model_lib.init(config.model, jax.random.key(0)))
+    optimizer, _ = make_optimizer(config.optim, config.train.steps, params)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    return TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state)
+
+
+def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
+    """Load a run's config, provenance and the parameters of ``step`` (default: latest)."""
+    run_dir = Path(run_dir)
+    config, info = read_config(run_dir)
+    checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
+    try:
+        steps = checkpointer.all_steps()
+        if not steps:
+            raise ValueError(
+                f"run {run_dir} has no checkpoint yet; train it (or let a save complete) first"
+            )
+        chosen = max(steps) if step is None else step
+        if chosen not in steps:
+            raise ValueError(f"run {run_dir} has no checkpoint at step {step}; it has {steps}")
+        state, _ = checkpointer.restore(chosen, abstract_state(config))
+    finally:
+        checkpointer.close()
+    return LoadedRun(run_dir, config, info, chosen, state.params)
