@@ -149,6 +149,78 @@ def train(
     print(summary)
 
 
+@app.command()
+def export(
+    run: Annotated[Path, typer.Argument(help="Run directory (clozax train or import-hf).")],
+    out: Annotated[Path, typer.Argument(help="New directory for the transformers files.")],
+    step: Annotated[int | None, typer.Option(help="Checkpoint step (default: latest).")] = None,
+    verify: Annotated[
+        bool, typer.Option(help="Load the export in transformers (needs torch) and compare "
+                           "logits with clozax on a few sentences.")
+    ] = False,
+):
+    """Write a run as a Hugging Face transformers model + tokenizer directory."""
+    from clozax import interop
+
+    interop.export_run(run, out, step)
+    print(f"exported {run} to {out}")
+    if verify:
+        texts = ["the quick brown fox jumps over the lazy dog", "a short one", "hello world"]
+        diff = interop.hf_parity(run, out, texts)
+        print(f"max |clozax - transformers| on {len(texts)} sentences: {diff:.2e}")
+
+
+@app.command("import-hf")
+def import_hf(
+    hf_dir: Annotated[Path, typer.Argument(help="Local save_pretrained directory "
+                                           "(safetensors only).")],
+    out: Annotated[Path, typer.Argument(help="New clozax run directory.")],
+):
+    """Import a BertForMaskedLM / RobertaPreLayerNormForMaskedLM (or bare encoder) as a run."""
+    from clozax import interop
+
+    interop.import_hf(hf_dir, out)
+    print(f"imported {hf_dir} into {out}")
+
+
+@app.command()
+def audit(
+    run: Annotated[
+        Path | None, typer.Argument(help="Run directory to audit (omit with --data).")
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(help="Dataset directory. Without RUN: data-only checks before training; "
+                     "with RUN: use it instead of the dataset recorded in run.json."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Directory for audit.json in data-only mode (a run audit writes "
+                     "RUN/audit.json)."),
+    ] = None,
+    batches: Annotated[
+        int, typer.Option(help="Training batches sampled by the eligibility checks.")
+    ] = 200,
+):
+    """Check the objective's invariants on a run (or a dataset); exit 1 if any check fails."""
+    from clozax import audit as audit_lib
+
+    if run is None and data is None:
+        raise ValueError("pass a run directory (clozax audit RUN) or --data DIR for data-only "
+                         "checks")
+    if run is not None and out is not None:
+        raise ValueError("--out is for data-only audits; a run audit writes RUN/audit.json")
+    if batches < 1:
+        raise ValueError(f"--batches {batches} must be >= 1")
+    if run is not None:
+        report = audit_lib.audit_run(run, data=data, batches=batches)
+    else:
+        report = audit_lib.audit_data(data, out)
+    audit_lib.print_report(report)
+    if not report["passed"]:
+        raise SystemExit(1)
+
+
 # New commands go above this line (one function each, parsing only).
 
 

@@ -143,11 +143,17 @@ def make_loss(model_config):
     return loss_fn
 
 
-def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimizer, schedule,
-                    mesh: Mesh | None = None):
-    """The pure train step ``(state, batch, mask_key) -> (state, metrics)`` (not yet jitted)."""
+def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
+                        mesh: Mesh | None = None):
+    """``(params, batch, step_key) -> (sum, count, grad_sum)`` over the whole global batch.
+
+    The batch is corrupted once with ``step_key``; the microbatches (``train.microbatches``)
+    only split the forward/backward work, so they cannot change the masks. Numerators,
+    counts and gradient numerators are summed; nothing is divided here.
+    """
     masker = make_masker(config.masking, vocab, seq_len)
     loss_fn = make_loss(config.model)
+    grad_fn = jax.grad(loss_fn, has_aux=True)
     k = config.train.microbatches
     micro_sharding = NamedSharding(mesh, P(None, "data")) if mesh is not None else None
 
@@ -158,23 +164,38 @@ def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimize
             x = jax.lax.with_sharding_constraint(x, micro_sharding)
         return x
 
-    def step(state: TrainState, batch: dict, mask_key):
-        masked, selection = masker(jax.random.fold_in(mask_key, state.step), batch)
+    def loss_and_grads(params, batch: dict, step_key):
+        masked, selection = masker(step_key, batch)
         targets = jnp.take_along_axis(batch["tokens"], selection.positions, axis=-1)
         micro = (masked.inputs, batch["segments"], selection.positions, targets, selection.valid)
-        grad_fn = jax.grad(loss_fn, has_aux=True)
         if k == 1:
-            grad_sum, (total, count) = grad_fn(state.params, *micro)
-        else:
-            def body(carry, mb):
-                g_acc, s_acc, c_acc = carry
-                g, (s, c) = grad_fn(state.params, *mb)
-                return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, c_acc + c), None
+            grad_sum, (total, count) = grad_fn(params, *micro)
+            return total, count, grad_sum
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-            (grad_sum, total, count), _ = jax.lax.scan(body, init, tuple(map(split_micro, micro)))
-        # One division, after every microbatch and device has contributed.
+        def body(carry, mb):
+            g_acc, s_acc, c_acc = carry
+            g, (s, c) = grad_fn(params, *mb)
+            return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, c_acc + c), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (grad_sum, total, count), _ = jax.lax.scan(body, init, tuple(map(split_micro, micro)))
+        return total, count, grad_sum
+
+    return loss_and_grads
+
+
+def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimizer, schedule,
+                    mesh: Mesh | None = None):
+    """The pure train step ``(state, batch, mask_key) -> (state, metrics)`` (not yet jitted)."""
+    loss_and_grads = make_loss_and_grads(config, vocab, seq_len, mesh)
+
+    def step(state: TrainState, batch: dict, mask_key):
+        total, count, grad_sum = loss_and_grads(
+            state.params, batch, jax.random.fold_in(mask_key, state.step)
+        )
+        # One division, after every microbatch and device has contributed. Every row has an
+        # eligible token (checked on the host), so count >= batch; the guard only avoids a NaN.
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -183,7 +204,7 @@ def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimize
             "loss": total / denom,
             "loss_sum": total,
             "selected": count,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
@@ -348,11 +369,22 @@ def train(
 
     step_fn = compile_step(optimizer, schedule)
 
+    special_table = np.zeros(vocab.size, bool)
+    special_table[list(vocab.special_ids)] = True
+
     def device_batch(i: int) -> dict:
         from clozax.data.loader import batch_rows, host_batch
 
         rows = batch_rows(keys.data, i, dataset.train.rows, config.train.batch_size)
         batch = host_batch(dataset.train, rows)
+        # Validate before the jitted step: a row with no eligible token would select nothing.
+        eligible = ~special_table[batch["tokens"]] & (batch["segments"] > 0)
+        empty = ~eligible.any(axis=1)
+        if empty.any():
+            raise ValueError(
+                f"training row {int(rows[np.argmax(empty)])} of {data_dir} has no eligible "
+                "(non-pad, non-special) token, so nothing can be selected; re-run prepare"
+            )
         return jax.device_put(batch, data_sharding)
 
     # --- budget: --minutes fixes the step count once, from throughput measured after compiling
@@ -426,6 +458,8 @@ def train(
             state, metrics = step_fn(state, batch, keys.mask)
             loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
             step = i + 1
+            # Impossible by construction (every row has an eligible token); asserted cheaply.
+            assert int(metrics["selected"]) > 0, f"empty selection at step {step}"
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise TrainingDiverged(
                     f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; the "

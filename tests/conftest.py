@@ -1,0 +1,52 @@
+"""Shared, session-scoped fixtures: one small prepared dataset and one tiny trained run.
+
+Everything is built from the built-in corpus (stdlib docstrings) into pytest's temporary
+directory, so tests never depend on a developer's data/ or runs/ folders.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+TINY_OVERRIDES = [
+    "train.batch_size=8",
+    "train.steps=6",
+    "train.eval_every=3",
+    "train.save_every=3",
+    "train.eval_rows=32",
+    "train.log_every=3",
+    "optim.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(tmp_path_factory) -> Path:
+    """The built-in corpus prepared with a small vocabulary (about 4 s)."""
+    from clozax.data import prepare
+
+    out = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare(out, corpus="stdlib", vocab_size=1024, seq_len=64, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(stdlib_data, tmp_path_factory) -> Path:
+    """A tiny-preset run trained for a few steps on ``stdlib_data`` (read-only: copy it)."""
+    from clozax import config as config_lib
+    from clozax import train as train_lib
+
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    cfg = config_lib.resolve(preset="tiny", overrides=TINY_OVERRIDES)
+    train_lib.train(stdlib_data, out, cfg)
+    return out
+
+
+@pytest.fixture
+def tiny_run_copy(tiny_run, tmp_path) -> Path:
+    """A private, writable copy of the tiny run."""
+    dst = tmp_path / "run"
+    shutil.copytree(tiny_run, dst)
+    return dst

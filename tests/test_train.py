@@ -1,0 +1,314 @@
+"""Training: token-weighted accumulation, devices, exact resume, frozen eval masks, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clozax import checkpoint as ckpt
+from clozax import config as config_lib
+from clozax import evaluate as eval_lib
+from clozax import train as train_lib
+from clozax.data import open_dataset
+from clozax.data.loader import batch_rows, host_batch
+from clozax.run import load_run
+from conftest import TINY_OVERRIDES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(*extra, preset="tiny"):
+    return config_lib.resolve(preset=preset, overrides=[*TINY_OVERRIDES, *extra])
+
+
+def _vocab(ds):
+    return train_lib.Vocabulary(ds.vocab_size, ds.specials)
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
+def test_microbatches_4_give_the_same_loss_and_gradients_as_1_for_unequal_counts(stdlib_data):
+    ds = open_dataset(stdlib_data)
+    batch = host_batch(ds.train, np.arange(16))
+    # Pad out most of some rows so the selected counts differ between microbatches.
+    for r, keep in ((1, 6), (2, 9), (5, 4), (6, 12)):
+        batch["tokens"][r, keep:] = ds.specials["pad"]
+        batch["segments"][r, keep:] = 0
+    results = {}
+    for k in (1, 4):
+        cfg = _cfg("train.batch_size=16", f"train.microbatches={k}")
+        cfg = cfg.replace(model=config_lib.ModelConfig(**{**cfg.model.__dict__,
+                                                          "vocab_size": ds.vocab_size}))
+        fn = jax.jit(train_lib.make_loss_and_grads(cfg, _vocab(ds), ds.seq_len))
+        from clozax import model as model_lib
+
+        params = model_lib.init(cfg.model, jax.random.key(0))
+        total, count, grads = fn(params, batch, jax.random.key(5))
+        results[k] = (float(total), int(count), _flat(grads) / int(count))
+    (t1, c1, g1), (t4, c4, g4) = results[1], results[4]
+    assert c1 == c4
+    # Per-microbatch counts really are unequal, so a mean of means would differ.
+    assert t4 / c4 == pytest.approx(t1 / c1, rel=1e-5)
+    np.testing.assert_allclose(g4, g1, rtol=1e-5, atol=1e-5 * np.abs(g1).max())
+
+
+def test_a_mean_of_microbatch_means_would_differ_on_this_batch(stdlib_data):
+    """Guards the test above: its fixture must make the per-microbatch weighting matter."""
+    ds = open_dataset(stdlib_data)
+    batch = host_batch(ds.train, np.arange(16))
+    for r, keep in ((1, 6), (2, 9), (5, 4), (6, 12)):
+        batch["segments"][r, keep:] = 0
+    eligible = batch["segments"] > 0
+    per_row = np.minimum(eligible.sum(1), 10)
+    per_micro = [per_row[j::4].sum() for j in range(4)]
+    assert len(set(per_micro)) > 1
+
+
+DEVICE_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from clozax import config as C, train as T
+from clozax.run import load_run
+data, out = sys.argv[1], sys.argv[2]
+res = {}
+for n in (1, 4):
+    cfg = C.resolve(preset="tiny", overrides=["train.batch_size=8", "train.steps=3",
+        "train.eval_every=3", "train.save_every=3", "train.eval_rows=16",
+        f"train.devices={n}", "optim.warmup_steps=1"])
+    r = T.train(data, f"{out}/d{n}", cfg)
+    p = load_run(f"{out}/d{n}").params
+    res[n] = {"loss": r.final_loss, "params": [np.asarray(x).ravel().tolist()
+              for x in jax.tree.leaves(p)][:6], "eval": r.eval["loss"]}
+print(json.dumps({"devices": jax.device_count(), **{str(k): v for k, v in res.items()}}))
+"""
+
+
+def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(stdlib_data),
+                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 4
+    one, four = out["1"], out["4"]
+    assert four["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert four["eval"] == pytest.approx(one["eval"], rel=1e-5)
+    # Relative error of each parameter tensor (norm-wise): summation order differs across
+    # devices, and Adam's normalisation amplifies it for elements whose gradient is ~0.
+    for a, b in zip(one["params"], four["params"], strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+
+
+def _train_cli(data, out, *extra):
+    return [sys.executable, "-m", "clozax.cli", "train", "--data", str(data), "--out", str(out),
+            "--preset", "tiny", "--set", "train.batch_size=8", "--set", "train.eval_rows=16",
+            "--set", "optim.warmup_steps=5", *extra]
+
+
+def test_resume_after_sigkill_is_bitwise_identical(stdlib_data, tmp_path):
+    steps = ["--steps", "60", "--save-every", "5", "--eval-every", "1000"]
+    reference = tmp_path / "reference"
+    subprocess.run(_train_cli(stdlib_data, reference, *steps), check=True, capture_output=True,
+                   cwd=ROOT)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cli(stdlib_data, killed, *steps), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckdir = killed / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        done = [int(p.name) for p in ckdir.glob("*") if p.name.isdigit()] if ckdir.is_dir() else []
+        if done and max(done) >= 15:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "training finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    survivors = sorted(int(p.name) for p in ckdir.glob("*") if p.name.isdigit())
+    assert survivors and max(survivors) < 60
+    subprocess.run(_train_cli(stdlib_data, killed, *steps), check=True, capture_output=True,
+                   cwd=ROOT)
+    a, b = load_run(reference), load_run(killed)
+    assert a.step == b.step == 60
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_batches_are_a_pure_function_of_the_index_and_cover_each_epoch():
+    rows, bs = 103, 10
+    first = np.concatenate([batch_rows(7, i, rows, bs) for i in range(10)])
+    assert len(set(first.tolist())) == 100  # one epoch: no row twice
+    assert np.array_equal(batch_rows(7, 13, rows, bs), batch_rows(7, 13, rows, bs))
+    assert not np.array_equal(batch_rows(7, 0, rows, bs), batch_rows(8, 0, rows, bs))
+    assert not np.array_equal(batch_rows(7, 0, rows, bs), batch_rows(7, 10, rows, bs))
+
+
+def test_eval_masks_are_frozen_hashed_and_reproducible_from_the_eval_key(tiny_run, stdlib_data):
+    masks, meta = eval_lib.load_eval_masks(tiny_run)
+    assert meta["sha256"] == eval_lib.eval_masks_sha256(masks)
+    cfg = config_lib.load_json(tiny_run / "config.json")
+    ds = open_dataset(stdlib_data)
+    masker = train_lib.make_masker(cfg.masking, _vocab(ds), ds.seq_len)
+    again = eval_lib.build_eval_masks(ds.heldout, masker, cfg.train.eval_seed,
+                                      cfg.train.eval_rows)
+    assert eval_lib.eval_masks_sha256(again) == meta["sha256"]
+    other = eval_lib.build_eval_masks(ds.heldout, masker, cfg.train.seed, cfg.train.eval_rows)
+    assert eval_lib.eval_masks_sha256(other) != meta["sha256"], "eval key must not be the train key"
+
+
+def test_training_writes_metrics_with_eval_and_a_falling_loss(tiny_run):
+    records = [json.loads(x) for x in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 6]
+    for r in records:
+        assert {"loss", "lr", "selected", "grad_norm", "tokens_per_s", "eval"} <= set(r)
+        assert r["eval"]["count"] == sum(k["count"] for k in r["eval"]["by_kind"].values())
+    assert records[-1]["eval"]["loss"] < records[0]["eval"]["loss"]
+    resolved = json.loads((tiny_run / "config.json").read_text())
+    assert resolved["model"]["vocab_size"] == 1024
+
+
+def test_resume_refuses_a_different_config(tiny_run_copy, stdlib_data):
+    with pytest.raises(ValueError, match="different config.*masking.rate"):
+        train_lib.train(stdlib_data, tiny_run_copy, _cfg("masking.rate=0.3"))
+
+
+def test_resume_refuses_different_data_or_tokenizer(tiny_run_copy, stdlib_data):
+    info = json.loads((tiny_run_copy / "run.json").read_text())
+    (tiny_run_copy / "run.json").write_text(json.dumps({**info, "dataset_fingerprint": "0" * 64}))
+    with pytest.raises(ValueError, match="trained on dataset"):
+        train_lib.train(stdlib_data, tiny_run_copy, _cfg())
+    (tiny_run_copy / "run.json").write_text(json.dumps({**info, "tokenizer_sha256": "f" * 64}))
+    with pytest.raises(ValueError, match="tokenizer"):
+        train_lib.train(stdlib_data, tiny_run_copy, _cfg())
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_loadable(tiny_run_copy, monkeypatch):
+    before = load_run(tiny_run_copy)
+    checkpointer = ckpt.Checkpointer(tiny_run_copy)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointer.manager, "save", full_disk)
+    with pytest.raises(ckpt.CheckpointError, match="No space left.*step 6.*intact"):
+        checkpointer.save(9, None, {})
+    checkpointer.close()
+    after = load_run(tiny_run_copy)
+    assert after.step == before.step == 6
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(stdlib_data, tmp_path,
+                                                                          monkeypatch):
+    out = tmp_path / "nan"
+    cfg = _cfg("train.steps=4", "train.save_every=2", "train.eval_every=4")
+    train_lib.train(stdlib_data, out, cfg, stop_after=2)
+    real = train_lib.make_loss
+
+    def poisoned(model_config):
+        loss_fn = real(model_config)
+
+        def fn(params, *args):
+            total, (t, c) = loss_fn(params, *args)
+            return total * jnp.nan, (t * jnp.nan, c)
+
+        return fn
+
+    monkeypatch.setattr(train_lib, "make_loss", poisoned)
+    with pytest.raises(train_lib.TrainingDiverged, match="step 3.*last good checkpoint .step 2"):
+        train_lib.train(stdlib_data, out, cfg)
+    assert load_run(out).step == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.heads=3"], "does not divide"),
+        (["masking.rate=0.6"], "rate 0.6 is outside"),
+        (["masking.mask=0.5"], "sum to"),
+        (["train.batch_size=10", "train.microbatches=4"], "not divisible"),
+        (["model.nonsense=1"], "valid model keys are"),
+        (["trian.steps=1"], "unknown config section"),
+        (["masking.unit=sentence"], "masking.unit"),
+    ],
+)
+def test_impossible_configs_are_rejected_with_the_value(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.resolve(preset="tiny", overrides=overrides)
+
+
+def test_config_file_and_overrides_resolve_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\npreset = "tiny"\nlayers = 3\n[train]\nsteps = 7\n')
+    cfg = config_lib.resolve(path, overrides=["train.steps=9", "optim.schedule=cosine"])
+    assert (cfg.model.hidden, cfg.model.layers, cfg.train.steps) == (32, 3, 9)
+    assert cfg.optim.schedule == "cosine"
+    assert config_lib.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+CLI_BAD = [
+    (["--data", "/nonexistent/x"], "dataset"),
+    (["--preset", "huge"], "unknown preset"),
+    (["--set", "train.batch_size=5", "--set", "train.microbatches=2"], "not divisible"),
+    (["--set", "model.max_positions=32"], "exceeds model.max_positions"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), CLI_BAD)
+def test_train_cli_bad_input_is_one_line_exit_2(args, message, stdlib_data, tmp_path):
+    base = {"--data": str(stdlib_data), "--out": str(tmp_path / "r")}
+    argv = ["train"]
+    for k, v in base.items():
+        if k not in args:
+            argv += [k, v]
+    argv += args
+    proc = subprocess.run([sys.executable, "-m", "clozax.cli", *argv], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+
+
+def test_minutes_fixes_the_step_count_once_and_records_it(stdlib_data, tmp_path):
+    out = tmp_path / "budget"
+    cfg = _cfg("train.minutes=0.02", "train.eval_every=1000", "train.save_every=1000")
+    result = train_lib.train(stdlib_data, out, cfg)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["train"]["minutes"] == 0.02
+    assert saved["train"]["steps"] == result.steps >= 1
+
+
+def test_whole_word_masking_and_bf16_compute_train_finitely(stdlib_data, tmp_path):
+    cfg = _cfg("masking.unit=word", "model.compute_dtype=bfloat16", "train.steps=2",
+               "train.eval_every=2")
+    result = train_lib.train(stdlib_data, tmp_path / "ww", cfg)
+    assert np.isfinite(result.final_loss) and np.isfinite(result.eval["loss"])
+
+
+def test_continued_pretraining_starts_from_the_other_runs_parameters(tiny_run, stdlib_data,
+                                                                      tmp_path):
+    out = tmp_path / "continued"
+    cfg = _cfg("train.steps=1", "train.eval_every=1", "train.save_every=1")
+    train_lib.train(stdlib_data, out, cfg, init_from=tiny_run)
+    assert json.loads((out / "run.json").read_text())["init_from"] == str(tiny_run.absolute())
+    source, continued = _flat(load_run(tiny_run).params), _flat(load_run(out).params)
+    from clozax import model as model_lib
+
+    fresh = _flat(model_lib.init(load_run(out).config.model, train_lib.Keys.from_seed(0).init))
+    # One warm-up Adam step moves each weight by at most ~lr/warmup; a fresh init is far away.
+    assert np.abs(continued - source).max() < 1e-3
+    assert np.abs(continued - fresh).max() > 1e-2
