@@ -51,7 +51,9 @@ def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
     try:
         return config_lib.load_json(cfg_path), json.loads(info_path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} or run.json is not valid JSON ({e}); the run is damaged") from None
+        raise ValueError(
+            f"{cfg_path} or run.json is not valid JSON ({e}); the run is damaged"
+        ) from None
 
 
 def abstract_state(config: config_lib.RunConfig):
