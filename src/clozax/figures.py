@@ -81,3 +81,37 @@ def heatmap(
     fig.savefig(path)
     plt.close(fig)
     return Path(path)
+
+
+def token_panel(
+    path: Path,
+    probs,
+    labels: list[list[str]],
+    *,
+    rows: list[str],
+    columns: list[str],
+    title: str,
+    colorbar_label: str = "model probability",
+) -> Path:
+    """A heatmap whose cells carry their own token label and probability (``labels[r][c]``),
+    for panels where every row has different tokens (rows = positions, columns = ranks)."""
+    probs = np.asarray(probs, dtype=float)
+    width = max(6.0, 1.45 * len(columns) + 3.0)
+    height = max(3.0, 0.62 * len(rows) + 1.9)
+    fig, ax = plt.subplots(figsize=(width, height), dpi=120)
+    image = ax.imshow(probs, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(columns)), labels=columns)
+    ax.set_yticks(range(len(rows)), labels=rows)
+    ax.xaxis.tick_top()
+    for r in range(probs.shape[0]):
+        for c in range(probs.shape[1]):
+            text = labels[r][c]
+            text = text if len(text) <= 12 else text[:11] + "…"
+            ax.text(c, r, f"{text}\n{probs[r, c]:.3f}", ha="center", va="center", fontsize=8,
+                    color="black" if probs[r, c] > 0.6 else "white")
+    ax.set_title(title, pad=28)
+    fig.colorbar(image, ax=ax, label=colorbar_label, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)

@@ -20,6 +20,10 @@ The leaf <-> tensor table is in ``clozax.model``'s docstring. Two things are not
   ``max_positions + pad + 1`` rows (rows ``0..pad`` unused by real tokens, written as zeros).
   Parity holds for right-padded batches; with left padding HF shifts real tokens' positions and
   clozax does not (clozax positions are indices).
+
+HF has no document-local attention: a run with ``attention_within_segments`` exports exactly for
+one document per sequence, which is how such a model is used downstream. Exported weights are
+float32; a ``compute_dtype="bfloat16"`` run then matches in transformers only to bf16 precision.
 """
 
 from __future__ import annotations
@@ -344,12 +348,20 @@ def _strip_prefix(tensors: dict, prefix: str) -> dict:
             for k, v in tensors.items()}
 
 
+def _config_int(cfg: dict, key: str) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json {key}={value!r} is missing or not a positive integer; "
+                         "re-save the model with save_pretrained")
+    return value
+
+
 def from_hf_tensors(tensors: dict, cfg: dict, layer_norm: str, pad_id: int):
     """(clozax params as numpy, ModelConfig fields, has_mlm_head) from HF tensors + config."""
     a = ARCHS[layer_norm]
     named = _strip_prefix(tensors, a["prefix"])
     has_head = f"/{a['head']}bias" in named
-    layers = int(cfg["num_hidden_layers"])
+    layers = _config_int(cfg, "num_hidden_layers")
 
     def take(name, shape=None):
         if name not in named:
@@ -361,7 +373,7 @@ def from_hf_tensors(tensors: dict, cfg: dict, layer_norm: str, pad_id: int):
                              f"implies {shape}; the checkpoint and config disagree")
         return value
 
-    vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
+    vocab, hidden = _config_int(cfg, "vocab_size"), _config_int(cfg, "hidden_size")
     word = take("embeddings.word_embeddings.weight")
     if word.shape != (vocab, hidden):
         raise ValueError(f"word embeddings have shape {word.shape} but config.json says "
@@ -398,7 +410,8 @@ def from_hf_tensors(tensors: dict, cfg: dict, layer_norm: str, pad_id: int):
         _put(params, ("head", "bias"), np.zeros(vocab, np.float32))
     fields = {
         "vocab_size": vocab, "hidden": hidden, "layers": layers,
-        "heads": int(cfg["num_attention_heads"]), "intermediate": int(cfg["intermediate_size"]),
+        "heads": _config_int(cfg, "num_attention_heads"),
+        "intermediate": _config_int(cfg, "intermediate_size"),
         "max_positions": int(position.shape[0] - offset), "layer_norm": layer_norm,
         "layer_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
         "init_std": float(cfg.get("initializer_range", 0.02)),
@@ -493,7 +506,7 @@ def import_hf(hf_dir: Path, out_run: Path) -> Path:
     try:
         tok, tokenizer_changes = _import_tokenizer(hf_dir, tmp / "tokenizer.json")
         specials = _find_specials(tok, hf_dir)
-        vocab = int(cfg.get("vocab_size", -1))
+        vocab = _config_int(cfg, "vocab_size")
         if vocab != tok.get_vocab_size():
             raise ValueError(f"config.json vocab_size={vocab} disagrees with the tokenizer's "
                              f"{tok.get_vocab_size()} tokens; use the tokenizer the model was "
@@ -576,7 +589,8 @@ def hf_parity(run_dir: Path, hf_dir: Path, texts: list[str]) -> float:
     if ids.shape[1] > c.max_positions:
         raise ValueError(f"texts tokenize to {ids.shape[1]} tokens, over model.max_positions="
                          f"{c.max_positions}; pass shorter texts")
-    hidden = model_lib.apply(run.params, c, jnp.asarray(ids), jnp.asarray(mask))
+    segments = jnp.asarray(mask.astype(np.int32))  # one document per row
+    hidden = model_lib.apply(run.params, c, jnp.asarray(ids), jnp.asarray(mask), segments)
     with_head = bool(run.info.get("has_mlm_head", True))
     auto = transformers.AutoModelForMaskedLM if with_head else transformers.AutoModel
     hf = auto.from_pretrained(str(hf_dir)).eval()

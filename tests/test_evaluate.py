@@ -1,0 +1,164 @@
+"""`clozax evaluate`: aggregation equals a host recomputation, determinism, baselines, failure
+cases, corruption transfer, and one-line errors for bad runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from clozax import evaluate as ev
+from clozax import model as model_lib
+from clozax.data import open_dataset
+from clozax.run import load_run
+from clozax.train import Keys
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_run, tmp_path_factory):
+    """A private copy of the tiny run, evaluated once with a second mask seed."""
+    run_dir = tmp_path_factory.mktemp("evaluate") / "run"
+    shutil.copytree(tiny_run, run_dir)
+    result = ev.evaluate_run(run_dir, mask_seed=99, failures=7, batch_size=16)
+    return run_dir, result
+
+
+def _host_slots(params, model_config, split, masks):
+    """float64 numpy log-softmax of the gathered logits: (nll, rank) per slot, (R, count)."""
+
+    @jax.jit
+    def logits_fn(params, inputs, segments, positions):
+        hidden = model_lib.apply(params, model_config, inputs, segments > 0, segments)
+        return model_lib.mlm_logits(params, model_config, model_lib.gather(hidden, positions))
+
+    segments = np.asarray(split.segments[masks.rows], np.int32)
+    logits = np.asarray(logits_fn(params, masks.inputs, segments, masks.positions), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))  # (R, count, vocab)
+    targets = np.take_along_axis(np.asarray(split.tokens[masks.rows], np.int64),
+                                 masks.positions, axis=-1)
+    nll = -np.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    target_logit = np.take_along_axis(logits, targets[..., None], axis=-1)
+    rank = (logits > target_logit).sum(-1)
+    return nll, rank
+
+
+def _check_against_host(metrics, nll, rank, masks):
+    for name, sel in (("all", masks.valid), *(
+            (kind, masks.valid & (masks.kinds == int(k)))
+            for k, kind in ev.KIND_NAMES.items())):
+        m = metrics if name == "all" else metrics["by_kind"][name]
+        assert m["count"] == int(sel.sum())
+        assert m["nll_sum"] == pytest.approx(nll[sel].sum(), rel=1e-5)
+        assert m["loss"] == pytest.approx(nll[sel].sum() / sel.sum(), rel=1e-5)
+        assert m["accuracy"] == np.mean(rank[sel] == 0)
+        assert m["top5_accuracy"] == np.mean(rank[sel] < 5)
+
+
+def test_eval_sums_equal_a_host_recomputation_over_all_eval_masks(evaluated):
+    run_dir, result = evaluated
+    run = load_run(run_dir)
+    split = open_dataset(run.info["dataset"]).heldout
+    masks, _ = ev.load_eval_masks(run_dir)
+    nll, rank = _host_slots(run.params, run.config.model, split, masks)
+    _check_against_host(result["trained"], nll, rank, masks)
+    # The function training uses aggregates to the same numbers.
+    _check_against_host(ev.evaluate_masks(run.params, run.config.model, split, masks,
+                                          batch_size=16).metrics(), nll, rank, masks)
+    # Random init is the run's own init key.
+    init = model_lib.init(run.config.model, Keys.from_seed(run.config.train.seed).init)
+    nll0, rank0 = _host_slots(init, run.config.model, split, masks)
+    _check_against_host(result["random_init"], nll0, rank0, masks)
+
+
+def test_unigram_baseline_is_add_one_smoothed_train_frequencies(evaluated):
+    run_dir, result = evaluated
+    ds = open_dataset(load_run(run_dir).info["dataset"])
+    specials = sorted(set(ds.specials.values()))
+    tokens = np.asarray(ds.train.tokens)[np.asarray(ds.train.segments) > 0].astype(np.int64)
+    counts = np.bincount(tokens, minlength=ds.vocab_size)
+    counts[specials] = 0
+    p = (counts + 1) / (counts.sum() + ds.vocab_size - len(specials))
+    masks, _ = ev.load_eval_masks(run_dir)
+    targets = np.take_along_axis(np.asarray(ds.heldout.tokens[masks.rows], np.int64),
+                                 masks.positions, axis=-1)[masks.valid]
+    u = result["unigram"]
+    assert u["count"] == targets.size
+    assert u["loss"] == pytest.approx(-np.log(p[targets]).mean(), rel=1e-9)
+    assert u["accuracy"] == np.mean(targets == np.argmax(p))
+    assert u["top5_accuracy"] == np.mean(np.isin(targets, np.argsort(-p, kind="stable")[:5]))
+
+
+def test_evaluating_twice_gives_identical_numbers_and_files(evaluated):
+    run_dir, result = evaluated
+    first_eval = (run_dir / ev.EVAL_FILE).read_text()
+    first_failures = (run_dir / ev.FAILURES_FILE).read_text()
+    again = ev.evaluate_run(run_dir, mask_seed=99, failures=7, batch_size=16)
+    assert again == result
+    assert (run_dir / ev.EVAL_FILE).read_text() == first_eval
+    assert (run_dir / ev.FAILURES_FILE).read_text() == first_failures
+    assert json.loads(first_eval) == result
+
+
+def test_eval_json_records_step_hash_schedule_and_corruption_transfer(evaluated):
+    run_dir, result = evaluated
+    masks, meta = ev.load_eval_masks(run_dir)
+    assert result["eval_masks_sha256"] == meta["sha256"] == ev.eval_masks_sha256(masks)
+    assert result["step"] == result["checkpoint_step"] == load_run(run_dir).step
+    assert result["schedule"]["selected"] == int(masks.valid.sum())
+    transfer = result["transfer"]
+    assert "corruption transfer" in transfer["label"] and "not a new-language" in transfer["label"]
+    assert transfer["eval_masks_sha256"] != meta["sha256"] and not transfer["same_as_frozen"]
+    for key in ("loss", "accuracy", "top5_accuracy"):
+        assert transfer["difference"][key] == pytest.approx(
+            transfer["trained"][key] - result["trained"][key])
+
+
+def test_failures_are_the_lowest_probability_positions_with_marked_context(evaluated):
+    run_dir, result = evaluated
+    lines = (run_dir / ev.FAILURES_FILE).read_text().splitlines()
+    cases = [json.loads(line) for line in lines]
+    assert len(cases) == 7
+    probs = [c["target_probability"] for c in cases]
+    assert probs == sorted(probs)
+    run = load_run(run_dir)
+    split = open_dataset(run.info["dataset"]).heldout
+    masks, _ = ev.load_eval_masks(run_dir)
+    nll, _ = _host_slots(run.params, run.config.model, split, masks)
+    assert probs[0] == pytest.approx(np.exp(-nll[masks.valid].max()), rel=1e-4)
+    assert probs[-1] <= np.sort(np.exp(-nll[masks.valid]))[7] * (1 + 1e-4)
+    for c in cases:
+        assert c["kind"] in ("mask", "random", "keep")
+        assert f"⟦{c['target'].strip()}⟧" in c["text"]
+        assert len(c["top5"]) == 5
+        top = [p for _, p in c["top5"]]
+        assert top == sorted(top, reverse=True) and top[0] >= c["target_probability"]
+        assert split.tokens[c["row"], c["position"]] == c["target_id"]
+        if c["kind"] == "mask":
+            assert c["input_token"] == "[MASK]"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "clozax.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_evaluate_cli_rejects_a_run_without_checkpoint_or_with_other_data(tiny_run, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_run, bare)
+    shutil.rmtree(bare / "checkpoints")
+    other = tmp_path / "other"
+    shutil.copytree(tiny_run, other)
+    info = json.loads((other / "run.json").read_text())
+    info["dataset_fingerprint"] = "0" * 64
+    (other / "run.json").write_text(json.dumps(info))
+    for run, message in ((bare, "no checkpoint"), (other, "does not match the data")):
+        proc = _cli("evaluate", str(run))
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in proc.stderr
