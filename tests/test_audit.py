@@ -28,7 +28,6 @@ from clozax import audit, masking
 from clozax.masking import Kind
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILT_IN = ROOT / "data" / "stdlib"
 TINY = ["train.steps=5", "train.batch_size=8", "train.eval_rows=32", "train.eval_every=5",
         "train.save_every=5", "train.log_every=5", "optim.warmup_steps=2"]
 
@@ -60,16 +59,13 @@ class Tiny(NamedTuple):
 
 @pytest.fixture(scope="module")
 def tiny(request, tmp_path_factory):
-    from clozax import config as config_lib
-    from clozax import train as train_lib
     from clozax.run import load_run
 
-    # The built-in corpus prepared in the checkout (as `make demo` does), else the shared
-    # session fixture that prepares a small one.
-    data = BUILT_IN if (BUILT_IN / "manifest.json").is_file() else \
-        request.getfixturevalue("stdlib_data")
+    # The shared session fixtures: a small prepared built-in corpus and a tiny run (copied,
+    # since the audit writes audit.json into the run directory).
+    data = request.getfixturevalue("stdlib_data")
     run = tmp_path_factory.mktemp("audit") / "run"
-    train_lib.train(data, run, config_lib.resolve(preset="tiny", overrides=TINY))
+    shutil.copytree(request.getfixturevalue("tiny_run"), run)
     script = DEVICE_SCRIPT.format(tests=str(Path(__file__).parent), run=str(run), data=str(data))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}
@@ -155,6 +151,11 @@ def part_mean_step(part: str, dataset):
     vocab = vocab_of(dataset)
 
     def make_step(config, optimizer, schedule, mesh):
+        if config.train.microbatches == 1 and (mesh is None or mesh.size == 1):
+            # One part: its mean is the token-weighted mean, so clozax's own (already
+            # compiled) step is this step too.
+            return audit.default_make_step(vocab, dataset.seq_len)(config, optimizer, schedule,
+                                                                  mesh)
         masker = make_masker(config.masking, vocab, dataset.seq_len)
         loss_fn = make_loss(config.model)
 
@@ -178,14 +179,15 @@ def part_mean_step(part: str, dataset):
                 losses, grads = jax.lax.map(lambda mb: mean_loss_and_grad(state.params, *mb),
                                             tuple(split))
                 loss, grads = jnp.mean(losses), jax.tree.map(lambda g: jnp.mean(g, 0), grads)
-            elif mesh is not None and mesh.size > 1:
+            elif part == "device" and mesh is not None:
                 def per_device(params, *local):
                     return jax.lax.pmean(mean_loss_and_grad(params, *local), "data")
 
+                # check_vma=False: each device differentiates its own mean (no implicit psum).
                 loss, grads = jax.shard_map(per_device, mesh=mesh,
                                             in_specs=(P(),) + (P("data"),) * len(micro),
-                                            out_specs=P())(state.params, *micro)
-            else:
+                                            out_specs=P(), check_vma=False)(state.params, *micro)
+            else:  # a per-device mean over one device, with microbatches: the plain mean
                 loss, grads = mean_loss_and_grad(state.params, *micro)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)

@@ -282,3 +282,16 @@ def test_apply_rejects_bad_inputs_before_tracing(params, batch):
         model.apply(p, config, batch["inputs"], batch["mask"].astype(np.float32))
     with pytest.raises(ValueError, match="no segments were given"):
         model.apply(p, CONFIGS["pre_segments"], batch["inputs"], batch["mask"])
+
+
+@pytest.mark.parametrize("within_segments", [False, True])
+def test_head_major_attention_matches_dot_product_attention(batch, within_segments):
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(BATCH, SEQ, 2, 8)), jnp.float32) for _ in range(3))
+    mask = model._attention_mask(
+        jnp.asarray(batch["mask"]), jnp.asarray(batch["segments"]), within_segments
+    )
+    ours = model._attention(q, k, v, mask, head_major=True)
+    reference = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    assert ours.shape == reference.shape == (BATCH, SEQ, 2, 8)
+    np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)

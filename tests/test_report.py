@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,7 +159,7 @@ def test_report_with_all_inputs_fills_every_table(full_report):
     info = json.loads((run / "run.json").read_text())
     masks_sha = json.loads((run / "eval_masks.json").read_text())["sha256"]
     for value in (info["dataset_fingerprint"], info["tokenizer_sha256"], masks_sha,
-                  "(file matches)", "(eval.json used this set)", '"rate": 0.15'):
+                  "(file matches)", "(eval.json used this set)", "&quot;rate&quot;: 0.15"):
         assert value in provenance
 
 

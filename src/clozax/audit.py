@@ -136,6 +136,7 @@ def _default_masker(masking_config, size, specials, seq_len):
 def _default_make_step(size, specials, seq_len):
     vocab = Vocabulary(size, dict(specials))
 
+    @functools.lru_cache(maxsize=16)  # the same step object for the same arguments
     def make_step(config, optimizer, schedule, mesh):
         return make_train_step(config, vocab, seq_len, optimizer, schedule, mesh)
 
@@ -383,14 +384,13 @@ def _capture_gradients() -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def uneven_batch(batch: dict, k: int, keep: int = 12) -> dict:
-    """Rows of microbatch 0 (rows 0, k, 2k, ...) cut to ``keep`` real tokens, so selected counts
-    differ between microbatches and devices, as a per-part mean would then show."""
+def uneven_batch(batch: dict, rows, keep: int = 4) -> dict:
+    """``rows`` cut to ``keep`` real tokens, so that selected counts differ between the parts a
+    batch is split into (a per-part mean then differs from the token-weighted mean)."""
     out = {name: np.array(x) for name, x in batch.items()}
-    cut = np.arange(0, out["tokens"].shape[0], k)
-    out["tokens"][cut, keep:] = 0
-    out["segments"][cut, keep:] = 0
-    out["word_starts"][cut, keep:] = False
+    out["tokens"][rows, keep:] = 0
+    out["segments"][rows, keep:] = 0
+    out["word_starts"][rows, keep:] = False
     return out
 
 
@@ -448,7 +448,7 @@ def check_microbatch_accumulation(pipe: Pipeline, batch, mask_key) -> CheckResul
         return CheckResult("microbatch_accumulation", True, "skipped",
                            f"SKIP: batch of {size} cannot be split into microbatches",
                            skipped=True)
-    batch = uneven_batch(batch, k)
+    batch = uneven_batch(batch, np.arange(0, size, k))  # microbatch 0 takes rows 0, k, 2k, ...
     train = pipe.config.train
 
     def with_k(m):
@@ -472,7 +472,7 @@ def check_device_accumulation(pipe: Pipeline, batch, mask_key, devices=None) -> 
                            f"SKIP: {len(devices)} device visible" if len(devices) < 2 else
                            f"SKIP: batch of {size} does not divide over {len(devices)} devices",
                            skipped=True)
-    batch = uneven_batch(batch, n)
+    batch = uneven_batch(batch, np.arange(size // n))  # device 0 holds the first rows
     config = dataclasses.replace(
         pipe.config, train=dataclasses.replace(pipe.config.train, microbatches=1, devices=None))
     one = _one_step(pipe, config, batch, mask_key, Mesh(np.array(devices[:1]), ("data",)))

@@ -6,6 +6,11 @@ key), are computed once per run in fixed chunks of ``EVAL_MASK_CHUNK`` rows (chu
 ``fold_in(eval_key, c)``), stored in the run directory with their sha256, and reused by every
 evaluation. Every metric is a sum over all selected held-out positions divided once by their
 count, overall and per corruption kind.
+
+``evaluate_run`` (``clozax evaluate``) puts the trained checkpoint next to two baselines on the
+same selected positions — a unigram predictor (train-split frequencies, add-one smoothed over
+non-special ids) and the same architecture at random initialisation (the run's init key) — and
+saves the positions with the lowest target probability as failure cases.
 """
 
 from __future__ import annotations

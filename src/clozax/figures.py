@@ -99,7 +99,8 @@ def token_panel(
     width = max(6.0, 1.45 * len(columns) + 3.0)
     height = max(3.0, 0.62 * len(rows) + 1.9)
     fig, ax = plt.subplots(figsize=(width, height), dpi=120)
-    image = ax.imshow(probs, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    vmax = max(1e-9, float(probs.max()))
+    image = ax.imshow(probs, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
     ax.set_xticks(range(len(columns)), labels=columns)
     ax.set_yticks(range(len(rows)), labels=rows)
     ax.xaxis.tick_top()
@@ -108,7 +109,7 @@ def token_panel(
             text = labels[r][c]
             text = text if len(text) <= 12 else text[:11] + "…"
             ax.text(c, r, f"{text}\n{probs[r, c]:.3f}", ha="center", va="center", fontsize=8,
-                    color="black" if probs[r, c] > 0.6 else "white")
+                    color="black" if probs[r, c] > 0.6 * vmax else "white")
     ax.set_title(title, pad=28)
     fig.colorbar(image, ax=ax, label=colorbar_label, fraction=0.046, pad=0.04)
     fig.tight_layout()

@@ -25,7 +25,7 @@ clozax leaf                           shape                HF tensor (post-LN / 
 embeddings.word                       (vocab, hidden)      B embeddings.word_embeddings.weight
                                                            (also the tied decoder weight)
 embeddings.position                   (max_pos, hidden)    B embeddings.position_embeddings
-                                                           .weight (pre-LN: row p -> row p+2)
+                                                           .weight (pre-LN: row p -> p+pad+1)
 embeddings.layer_norm.{scale,bias}    (hidden,)            B embeddings.LayerNorm.{weight,bias}
 layers.attention.query.kernel         (layers, hid, hid)   B encoder.layer.i.attention.self
                                                            .query.weight (transposed)
@@ -49,13 +49,14 @@ head.bias                             (vocab,)             cls.predictions.bias 
 There are no token-type embeddings: on export ``token_type_embeddings.weight`` is written as
 zeros (type_vocab_size 1 or 2); on import row 0 is folded into every position embedding row,
 which is exact because HF uses token type 0 unless told otherwise. RoBERTa-PreLayerNorm derives
-position ids from ``input_ids != pad_token_id`` starting at ``pad_token_id + 1`` (2), so its
-position table has ``max_positions + 2`` rows and parity holds for right-padded batches. HF BERT
+position ids from ``input_ids != pad_token_id`` starting at ``pad_token_id + 1``, so row p
+here is HF row ``p + pad_id + 1``, its table has ``max_positions + pad_id + 1`` rows, and
+parity holds for right-padded batches. HF BERT
 uses ``hidden_act="gelu"`` (exact erf), which is what is used here.
 
 Dtypes: parameters are always float32. With ``compute_dtype="bfloat16"`` matmul operands
 (activations and kernels) are cast to bfloat16 while the residual stream, LayerNorm statistics,
-GELU and the attention softmax stay float32 (``jax.nn.dot_product_attention`` takes its softmax
+GELU and the attention softmax stay float32 (both attention paths take their softmax
 in float32). ``apply`` returns float32 hidden states for either compute dtype; ``mlm_logits``
 returns float32 logits.
 """
@@ -247,6 +248,28 @@ def _attention_mask(attention_mask, segments, within_segments):
     return same[:, None, :, :] & key_real  # (batch, 1, seq, seq)
 
 
+def _attention(q, k, v, mask, head_major: bool | None = None):
+    """Scaled dot-product attention. q, k, v: (batch, seq, heads, head_dim); same out.
+
+    ``head_major`` (default: on CPU) computes in (batch, heads, seq, head_dim) layout with
+    explicit einsums: XLA:CPU runs those batched matmuls without the per-head transposes it
+    inserts around ``jax.nn.dot_product_attention``'s layout (train step 11 % faster on 2 cores,
+    measured side by side). Elsewhere ``jax.nn.dot_product_attention`` is kept, so GPUs get its
+    fused kernels. Both take the scores and softmax in float32.
+    """
+    if head_major is None:
+        head_major = jax.default_backend() == "cpu"
+    if not head_major:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    dtype = q.dtype
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+    scores = jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # (batch, heads, q, k)
+    ctx = jnp.einsum("bnqk,bnkd->bnqd", probs, v, preferred_element_type=jnp.float32)
+    return ctx.astype(dtype).transpose(0, 2, 1, 3)
+
+
 def _block(x, p, mask, config: ModelConfig):
     """One residual block. x: (batch, seq, hidden) float32 residual stream."""
     c = config
@@ -258,7 +281,7 @@ def _block(x, p, mask, config: ModelConfig):
     qkv = _dense(h, p["qkv"], dtype)  # (batch, seq, 3 * hidden)
     qkv = qkv.reshape(batch, seq, 3, c.heads, c.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (batch, seq, heads, head_dim)
-    ctx = jax.nn.dot_product_attention(q, k, v, mask=mask)  # (batch, seq, heads, head_dim)
+    ctx = _attention(q, k, v, mask)  # (batch, seq, heads, head_dim)
     attn = _dense(ctx.reshape(batch, seq, c.hidden), p["attention_output"], dtype)
     x = x + attn.astype(jnp.float32)
     if not pre:

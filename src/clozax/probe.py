@@ -249,8 +249,8 @@ def fit_predict(features_of, y: np.ndarray, parts: dict, standardise: bool) -> t
         val_acc = {}
         for c in C_GRID:
             pred = model(c).fit(x_train, y[train]).predict(x_val)
-            val_acc[c] = float(np.mean(pred == y[val]))
-        best = max(C_GRID, key=lambda c: (val_acc[c], -c))  # ties: the stronger regularisation
+            val_acc[f"{c:g}"] = float(np.mean(pred == y[val]))
+        best = max(C_GRID, key=lambda c: (val_acc[f"{c:g}"], -c))  # ties: stronger regularisation
         fit = np.concatenate([train, val])
         x_fit, x_test = features_of(fit, [fit, test])
         pred = model(best).fit(x_fit, y[fit]).predict(x_test)

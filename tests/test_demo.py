@@ -1,0 +1,75 @@
+"""clozax demo: prepare → train → evaluate → probe → audit → report through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from clozax import demo as demo_lib
+
+SECTIONS = ["Headline", "Training", "What the model predicts",
+            "Held-out evaluation by corruption kind", "Downstream probe", "Failure cases",
+            "Audit", "Provenance"]
+
+
+def _demo(out, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "clozax.cli", "demo", "--out", str(out), "--preset", "tiny",
+         "--steps", "4", "--quick"],
+        capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_path):
+    out = tmp_path / "demo"
+    # The session dataset was prepared with the quick settings, so the demo must reuse it.
+    shutil.copytree(stdlib_data, out / "data")
+    first = _demo(out)
+    assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
+    assert "reusing prepared dataset" in first.stdout
+    report = out / "run" / "report.html"
+    assert f"report: {report}" in first.stdout.replace("\n", "")
+    page = report.read_text(encoding="utf-8")
+    for title in SECTIONS:
+        assert f"<h2>{title}</h2>" in page
+    assert "not run" not in page  # evaluate, probe and audit all ran
+    for name in ("eval.json", "failures.jsonl", "probe.json", "audit.json", "report/loss.png",
+                 "report/accuracy.png", "report/probabilities.png"):
+        assert (out / "run" / name).is_file(), name
+    for line in ("held-out masked-token accuracy: trained", "probe accuracy (95 % CI): trained",
+                 "audit:", "held-out accuracy ≥ 2× unigram",
+                 "probe: trained beats random init outside the 95 % CI"):
+        assert line in first.stdout, line
+    assert json.loads((out / "run" / "audit.json").read_text())["passed"]
+
+    second = _demo(out)  # resumable: training is complete, every stage's output is current
+    assert second.returncode == 0, second.stderr[-3000:]
+    for name in ("eval.json", "probe.json", "audit.json"):
+        assert f"{name} is up to date" in second.stdout
+    assert "already completed 4 steps" in second.stderr + second.stdout
+
+
+def test_demo_refuses_a_data_directory_prepared_with_other_settings(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    manifest = {"corpus": {"source": "stdlib"}, "seq_len": 128, "heldout_fraction": 0.05,
+                "seed": 0, "tokenizer": {"vocab_size": 4096, "model": "bpe", "lowercase": True}}
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"vocab_size 4096 \(want 8192\)"):
+        demo_lib.prepare_data(data, demo_lib.DATA_SETTINGS, print)
+    (data / "manifest.json").unlink()
+    (data / "stray.txt").write_text("x")
+    with pytest.raises(ValueError, match="not a prepared dataset"):
+        demo_lib.prepare_data(data, demo_lib.DATA_SETTINGS, print)
+
+
+def test_demo_rejects_nonpositive_steps_with_a_one_line_error(tmp_path, capsys):
+    from clozax.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--out", str(tmp_path / "d"), "--steps", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("error: --steps 0 must be >= 1")
