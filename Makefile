@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/clozax lesson --out runs/lesson
+	$(BIN)/clozax demo --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -301,13 +301,14 @@ def test_whole_word_masking_and_bf16_compute_train_finitely(stdlib_data, tmp_pat
 def test_continued_pretraining_starts_from_the_other_runs_parameters(tiny_run, stdlib_data,
                                                                       tmp_path):
     out = tmp_path / "continued"
-    cfg = _cfg("train.steps=1", "train.eval_every=1", "train.save_every=1")
+    # A different seed: a fresh init of this run would be far from the source's weights.
+    cfg = _cfg("train.steps=1", "train.eval_every=1", "train.save_every=1", "train.seed=1")
     train_lib.train(stdlib_data, out, cfg, init_from=tiny_run)
     assert json.loads((out / "run.json").read_text())["init_from"] == str(tiny_run.absolute())
     source, continued = _flat(load_run(tiny_run).params), _flat(load_run(out).params)
     from clozax import model as model_lib
 
-    fresh = _flat(model_lib.init(load_run(out).config.model, train_lib.Keys.from_seed(0).init))
+    fresh = _flat(model_lib.init(load_run(out).config.model, train_lib.Keys.from_seed(1).init))
     # One AdamW step moves each weight by at most lr * (1 + weight_decay * |w|) (Adam's first
     # update m/sqrt(v) has magnitude <= 1); a fresh init is far away.
     optim = load_run(out).config.optim
