@@ -218,6 +218,10 @@ def test_bare_encoder_imports_for_probe_without_mlm_head(dataset, tmp_path):
     assert run.info["has_mlm_head"] is False
     assert run.info["imported_architecture"] == "BertModel"
     assert interop.hf_parity(run.path, hf, TEXTS) < TOL  # hidden states
+    from clozax.fill import fill
+
+    with pytest.raises(ValueError, match="bare encoder"):
+        fill(run.path, "a [MASK] here")
 
 
 def test_vocab_txt_only_directory_gets_a_wordpiece_tokenizer(tmp_path):

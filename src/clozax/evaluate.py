@@ -432,6 +432,7 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
         raise ValueError(f"failures={failures} must be >= 0 and batch_size={batch_size} >= 1")
     run_dir = Path(run_dir)
     run = load_run(run_dir)
+    run.require_mlm_head("evaluate")
     dataset = open_run_dataset(run)
     masks, meta = load_eval_masks(run_dir)
     split = dataset.heldout

@@ -43,6 +43,7 @@ def fill(run_dir: Path, text: str, top_k: int = 5) -> list[dict]:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k={top_k!r} must be a positive integer")
     run = load_run(Path(run_dir))
+    run.require_mlm_head("fill")
     cfg = run.config.model
     if top_k > cfg.vocab_size:
         raise ValueError(f"top_k={top_k} exceeds the vocabulary of {cfg.vocab_size}; lower it")

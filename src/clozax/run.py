@@ -37,6 +37,15 @@ class LoadedRun:
     def specials(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.info["specials"].items()}
 
+    def require_mlm_head(self, command: str) -> None:
+        """Refuse MLM outputs of a run imported from a bare encoder (no trained MLM head)."""
+        if not self.info.get("has_mlm_head", True):
+            raise ValueError(
+                f"run {self.path} was imported from a bare encoder (no MLM head), so `{command}` "
+                "would report an untrained head: use `clozax probe`, or learn a head first with "
+                f"`clozax train --init-from {self.path}`"
+            )
+
 
 def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
     run_dir = Path(run_dir)
