@@ -174,12 +174,6 @@ def _take_rows(tree, n: int):
     return jax.tree.map(lambda x: np.asarray(x)[:n], tree)
 
 
-def _special_table(vocab: Vocabulary) -> np.ndarray:
-    table = np.zeros(vocab.size, bool)
-    table[list(vocab.special_ids)] = True
-    return table
-
-
 def _train_batches(dataset: Dataset, config: RunConfig, keys: Keys, n: int):
     """Batches ``0..n-1`` of the training order with their step keys, exactly as train sees them."""
     for i in range(n):
@@ -193,7 +187,7 @@ def _train_batches(dataset: Dataset, config: RunConfig, keys: Keys, n: int):
 def check_no_leak(pipe: Pipeline, items) -> CheckResult:
     """Clean ids at replaced positions must not reach the inputs or the logits."""
     masker, logits_fn = jax.jit(pipe.masker), jax.jit(pipe.logits_fn)
-    special = _special_table(pipe.vocab)
+    special = pipe.vocab.special_table()
     pool = masking.allowed_random_ids(pipe.vocab.size, pipe.vocab.special_ids)
     changed = input_diffs = logit_diffs = selection_diffs = 0
     for key, batch in items:
@@ -236,7 +230,7 @@ def make_batch_stats(pipe: Pipeline):
 
 @functools.lru_cache(maxsize=8)
 def _batch_stats(masker, size, specials):
-    special = jnp.asarray(_special_table(Vocabulary(size, dict(specials))))
+    special = jnp.asarray(Vocabulary(size, dict(specials)).special_table())
     mask_id = int(dict(specials)["mask"])
 
     def stats(key, batch):

@@ -98,6 +98,12 @@ class Vocabulary:
     def special_ids(self) -> tuple[int, ...]:
         return tuple(sorted(set(int(v) for v in self.specials.values())))
 
+    def special_table(self) -> np.ndarray:
+        """(vocab,) bool, True at special ids: ``~table[tokens]`` marks non-special tokens."""
+        table = np.zeros(self.size, bool)
+        table[list(self.special_ids)] = True
+        return table
+
 
 def make_masker(masking_config: MaskingConfig, vocab: Vocabulary, seq_len: int):
     """``(key, batch) -> (MaskedBatch, Selection)``, jittable, static selected count.
@@ -105,9 +111,7 @@ def make_masker(masking_config: MaskingConfig, vocab: Vocabulary, seq_len: int):
     Eligible positions: real tokens (segment > 0) that are not special ids.
     """
     count = masking.selection_count(masking_config.rate, seq_len)
-    special_table = np.zeros(vocab.size, bool)
-    special_table[list(vocab.special_ids)] = True
-    special_table = jnp.asarray(special_table)
+    special_table = jnp.asarray(vocab.special_table())
     random_ids = jnp.asarray(masking.allowed_random_ids(vocab.size, vocab.special_ids))
     policy = masking_config.policy
     mask_id = int(vocab.specials["mask"])
@@ -369,8 +373,7 @@ def train(
 
     step_fn = compile_step(optimizer, schedule)
 
-    special_table = np.zeros(vocab.size, bool)
-    special_table[list(vocab.special_ids)] = True
+    special_table = vocab.special_table()
 
     def device_batch(i: int) -> dict:
         from clozax.data.loader import batch_rows, host_batch
