@@ -30,11 +30,13 @@ from clozax import config as config_lib
 from clozax import evaluate as eval_lib
 from clozax import model as model_lib
 from clozax.config import MaskingConfig, OptimConfig, RunConfig
+from clozax.data import open_dataset
+from clozax.data.loader import Prefetcher, batch_rows, host_batch
 from clozax.objective import masked_nll
+from clozax.observe import TrainLog
 
 CONFIG_FILE = "config.json"
 RUN_FILE = "run.json"
-METRICS_FILE = "metrics.jsonl"
 
 
 class TrainState(NamedTuple):
@@ -321,8 +323,6 @@ def train(
     must be the dataset's. ``stop_after`` ends the loop early (for tests) without changing the
     schedule.
     """
-    from clozax.data import open_dataset
-    from clozax.observe import TrainLog
 
     # --- data
     dataset = open_dataset(data_dir)
@@ -376,8 +376,6 @@ def train(
     special_table = vocab.special_table()
 
     def device_batch(i: int) -> dict:
-        from clozax.data.loader import batch_rows, host_batch
-
         rows = batch_rows(keys.data, i, dataset.train.rows, config.train.batch_size)
         batch = host_batch(dataset.train, rows)
         # Validate before the jitted step: a row with no eligible token would select nothing.
@@ -447,8 +445,6 @@ def train(
     )
 
     # --- loop
-    from clozax.data.loader import Prefetcher
-
     end = config.train.steps if stop_after is None else min(config.train.steps, stop_after)
     prefetch = Prefetcher(device_batch, start, end, depth=config.train.prefetch)
     tokens_per_step = config.train.batch_size * seq_len
