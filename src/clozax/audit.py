@@ -308,14 +308,24 @@ def check_initial_loss(pipe: Pipeline, key, batch) -> CheckResult:
     logits = jax.jit(pipe.logits_fn)(params, batch, masked, selection)
     positions = np.asarray(selection.positions)
     targets = np.take_along_axis(np.asarray(batch["tokens"]), positions, axis=-1)
-    total, count = jax.jit(pipe.loss_fn)(logits, targets, selection.valid)
-    loss = float(total) / float(count)
+    # Sequence by sequence: the property is the uniform start, and a float32 sum over a whole
+    # batch of ~log(V)-sized terms (1,632 of them at rate 0.4) would itself drift past 1e-5.
+    loss_fn = jax.jit(pipe.loss_fn)
+    valid = np.asarray(selection.valid)
+    losses = []
+    for r in range(targets.shape[0]):
+        if valid[r].any():
+            total, count = loss_fn(logits[r : r + 1], targets[r : r + 1], valid[r : r + 1])
+            losses.append(float(total) / float(count))
     expected = math.log(pipe.config.model.vocab_size)
-    diff = abs(loss - expected)
+    worst = max(losses, key=lambda x: abs(x - expected))
+    diff = abs(worst - expected)
     return CheckResult("initial_loss", diff <= LOSS_TOL,
-                       {"loss": loss, "log_vocab": expected, "abs_diff": diff},
-                       f"zeroed-head loss {loss:.7f} vs log({pipe.config.model.vocab_size}) = "
-                       f"{expected:.7f} (|diff| {diff:.1e}, tolerance {LOSS_TOL:g})")
+                       {"loss": worst, "log_vocab": expected, "abs_diff": diff,
+                        "sequences": len(losses)},
+                       f"zeroed-head loss {worst:.7f} (worst of {len(losses)} sequences) vs "
+                       f"log({pipe.config.model.vocab_size}) = {expected:.7f} "
+                       f"(|diff| {diff:.1e}, tolerance {LOSS_TOL:g})")
 
 
 def dense_logit_gradients(pipe: Pipeline, key, batch, rows: int = 4):
