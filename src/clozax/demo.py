@@ -72,6 +72,15 @@ def _is_current(path: Path, step: int) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
 
+def _reuse_or_run(path: Path, step: int, say, compute, also: Path | None = None) -> dict:
+    """The stage's JSON if it already describes checkpoint ``step`` (and ``also`` exists);
+    otherwise run ``compute`` (which writes it) and return its result."""
+    if _is_current(path, step) and (also is None or also.is_file()):
+        say(f"[dim]{path.name} is up to date[/]")
+        return json.loads(path.read_text(encoding="utf-8"))
+    return compute()
+
+
 
 def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
              quick: bool = False) -> dict:
@@ -121,30 +130,21 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
     done("train")
 
     stage("evaluate")
-    if _is_current(run_dir / evaluate_lib.EVAL_FILE, step) and \
-            (run_dir / evaluate_lib.FAILURES_FILE).is_file():
-        say("[dim]eval.json is up to date[/]")
-        evaluation = json.loads((run_dir / evaluate_lib.EVAL_FILE).read_text(encoding="utf-8"))
-    else:
-        evaluation = evaluate_lib.evaluate_run(run_dir)
+    evaluation = _reuse_or_run(run_dir / evaluate_lib.EVAL_FILE, step, say,
+                               lambda: evaluate_lib.evaluate_run(run_dir),
+                               also=run_dir / evaluate_lib.FAILURES_FILE)
     done("evaluate")
 
     stage("probe")
-    if _is_current(run_dir / probe_lib.PROBE_FILE, step):
-        say("[dim]probe.json is up to date[/]")
-        probe = json.loads((run_dir / probe_lib.PROBE_FILE).read_text(encoding="utf-8"))
-    else:
-        kwargs = {"max_per_class": QUICK_PROBE_PER_CLASS} if quick else {}
-        probe = probe_lib.probe_run(run_dir, **kwargs)
+    kwargs = {"max_per_class": QUICK_PROBE_PER_CLASS} if quick else {}
+    probe = _reuse_or_run(run_dir / probe_lib.PROBE_FILE, step, say,
+                          lambda: probe_lib.probe_run(run_dir, **kwargs))
     done("probe")
 
     stage("audit")
-    if _is_current(run_dir / audit_lib.AUDIT_FILE, step):
-        say("[dim]audit.json is up to date[/]")
-        audit = json.loads((run_dir / audit_lib.AUDIT_FILE).read_text(encoding="utf-8"))
-    else:
-        audit = audit_lib.audit_run(run_dir, batches=QUICK_AUDIT_BATCHES if quick
-                                    else AUDIT_BATCHES)
+    batches = QUICK_AUDIT_BATCHES if quick else AUDIT_BATCHES
+    audit = _reuse_or_run(run_dir / audit_lib.AUDIT_FILE, step, say,
+                          lambda: audit_lib.audit_run(run_dir, batches=batches))
     done("audit")
 
     stage("report")
