@@ -291,7 +291,29 @@ def test_head_major_attention_matches_dot_product_attention(batch, within_segmen
     mask = model._attention_mask(
         jnp.asarray(batch["mask"]), jnp.asarray(batch["segments"]), within_segments
     )
-    ours = model._attention(q, k, v, mask, head_major=True)
+    ours = model._attention(q, k, v, mask, "einsum")
     reference = jax.nn.dot_product_attention(q, k, v, mask=mask)
     assert ours.shape == reference.shape == (BATCH, SEQ, 2, 8)
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape_in_out", [(16, 48), (48, 16)])  # transposes x, transposes dy
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_layout_matmul_has_the_same_value_and_gradients_as_jnp_dot(shape_in_out, dtype):
+    fan_in, fan_out = shape_in_out
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (3, 5, fan_in), jnp.float32).astype(dtype)  # (batch, seq, in)
+    w = jax.random.normal(kw, (fan_in, fan_out), jnp.float32).astype(dtype)
+    cotangent = jax.random.normal(kg, (3, 5, fan_out), jnp.float32).astype(dtype)
+
+    def pulled(f):
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(cotangent))
+
+    ours = jax.jit(lambda: pulled(model._matmul))()
+    reference = jax.jit(lambda: pulled(jnp.dot))()
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of the same sums
+    for a, b in zip(ours, reference, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=tol, atol=tol)

@@ -131,6 +131,7 @@ SECTIONS = {"model": ModelConfig, "masking": MaskingConfig, "optim": OptimConfig
 SPEED_ONLY = {
     "train.microbatches", "train.devices", "train.keep_checkpoints", "train.log_every",
     "train.prefetch", "train.save_every", "train.eval_every", "train.minutes",
+    "model.attention",
 }
 
 

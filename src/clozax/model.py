@@ -75,6 +75,7 @@ Params = dict[str, Any]
 
 LAYER_NORMS = ("pre", "post")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "einsum", "xla", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class ModelConfig:
     layer_norm: str = "pre"  # "pre" (RobertaPreLayerNorm layout) or "post" (original BERT)
     attention_within_segments: bool = False  # keep attention inside each packed document
     compute_dtype: str = "float32"  # or "bfloat16"; parameters are always float32
+    # Speed-only: how attention is computed (see ``_attention``); every choice is the same math.
+    attention: str = "auto"
     layer_norm_eps: float = 1e-12
     init_std: float = 0.02
 
@@ -114,6 +117,21 @@ class ModelConfig:
             raise ValueError(
                 f"model.compute_dtype={self.compute_dtype!r} is not one of {COMPUTE_DTYPES}; "
                 "use 'float32' or 'bfloat16' (parameters stay float32 either way)"
+            )
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"model.attention={self.attention!r} is not one of {ATTENTION_IMPLS}; use 'auto' "
+                "(einsum on CPU, XLA's dot_product_attention elsewhere), or name one"
+            )
+        if self.attention == "cudnn" and self.attention_within_segments:
+            raise ValueError(
+                "model.attention='cudnn' takes per-row lengths and cannot keep attention inside "
+                "packed documents; set model.attention_within_segments=false or use 'xla'"
+            )
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ValueError(
+                "model.attention='cudnn' runs cuDNN's fused kernel, which needs "
+                "model.compute_dtype='bfloat16'; set it, or use model.attention='xla'"
             )
         if not isinstance(self.attention_within_segments, bool):
             raise ValueError(
@@ -231,7 +249,45 @@ def _layer_norm(x, p, eps):
 
 def _dense(x, p, dtype):
     """``x @ kernel + bias`` with operands in the compute dtype; result in the compute dtype."""
-    return jnp.dot(x.astype(dtype), p["kernel"].astype(dtype)) + p["bias"].astype(dtype)
+    x, kernel = x.astype(dtype), p["kernel"].astype(dtype)
+    y = _matmul(x, kernel) if jax.default_backend() == "cpu" else jnp.dot(x, kernel)
+    return y + p["bias"].astype(dtype)
+
+
+@jax.custom_vjp
+def _matmul(x, w):
+    """``x @ w`` whose weight gradient transposes the smaller operand (XLA:CPU layout fix).
+
+    The weight gradient contracts over tokens: ``dW = x^T dy`` with x (tokens, in) and dy
+    (tokens, out). XLA:CPU's matmul library wants the contraction dimension contiguous in one
+    operand, so XLA inserts a transpose, and it chose the large one (dy for QKV and the MLP
+    input, 12-16 MB each), fused with the element-wise backward into a slow loop (83 ms of
+    transposes per small-preset step). Here the smaller of x and dy is transposed, alone
+    (``optimization_barrier`` keeps element-wise producers out of the copy), and dW or dW^T is a
+    plain row-major matmul. Same products and sums as ``jnp.dot``'s gradient; train step 12-16 %
+    faster on 2 cores (measured side by side). Used on CPU only; GPUs keep ``jnp.dot``.
+    """
+    return jnp.dot(x, w)
+
+
+def _matmul_fwd(x, w):
+    return jnp.dot(x, w), (x, w)
+
+
+def _matmul_bwd(residuals, dy):
+    x, w = residuals
+    barrier = jax.lax.optimization_barrier
+    x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
+    dy2 = dy.reshape(-1, dy.shape[-1])  # (tokens, out)
+    dx = jax.lax.dot_general(dy2, w, (((1,), (1,)), ((), ())))  # (tokens, in) = dy @ w^T
+    if x2.shape[1] <= dy2.shape[1]:
+        dw = jnp.dot(barrier(barrier(x2).T), dy2)  # (in, tokens) @ (tokens, out)
+    else:
+        dw = jnp.dot(barrier(barrier(dy2).T), x2).T  # ((out, tokens) @ (tokens, in))^T
+    return dx.reshape(x.shape), dw
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _gelu(x, dtype):
@@ -248,19 +304,29 @@ def _attention_mask(attention_mask, segments, within_segments):
     return same[:, None, :, :] & key_real  # (batch, 1, seq, seq)
 
 
-def _attention(q, k, v, mask, head_major: bool | None = None):
+def _attention(q, k, v, mask, impl: str = "auto", lengths=None):
     """Scaled dot-product attention. q, k, v: (batch, seq, heads, head_dim); same out.
 
-    ``head_major`` (default: on CPU) computes in (batch, heads, seq, head_dim) layout with
-    explicit einsums: XLA:CPU runs those batched matmuls without the per-head transposes it
-    inserts around ``jax.nn.dot_product_attention``'s layout (train step 11 % faster on 2 cores,
-    measured side by side). Elsewhere ``jax.nn.dot_product_attention`` is kept, so GPUs get its
-    fused kernels. Both take the scores and softmax in float32.
+    ``impl`` (``model.attention``) chooses how, never what:
+
+    - ``einsum`` (``auto`` on CPU) computes in (batch, heads, seq, head_dim) layout with
+      explicit einsums: XLA:CPU runs those batched matmuls without the per-head transposes it
+      inserts around ``jax.nn.dot_product_attention``'s layout (train step 11 % faster on 2
+      cores, measured side by side). Scores and softmax in float32.
+    - ``xla`` (``auto`` elsewhere): ``jax.nn.dot_product_attention`` with the boolean mask.
+    - ``cudnn``: cuDNN's fused flash-attention kernel on NVIDIA GPUs, given per-row
+      ``lengths`` (batch,) instead of a boolean mask (JAX issues #23349, #28974: a boolean
+      mask forces a slower path). Valid when padding is a suffix of every row, which clozax's
+      packing guarantees (``apply`` derives the lengths from ``attention_mask``).
     """
-    if head_major is None:
-        head_major = jax.default_backend() == "cpu"
-    if not head_major:
+    if impl == "auto":
+        impl = "einsum" if jax.default_backend() == "cpu" else "xla"
+    if impl == "xla":
         return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=lengths,
+                                            key_value_seq_lengths=lengths,
+                                            implementation="cudnn")
     dtype = q.dtype
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (batch, heads, seq, head_dim)
     scores = jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
@@ -270,7 +336,7 @@ def _attention(q, k, v, mask, head_major: bool | None = None):
     return ctx.astype(dtype).transpose(0, 2, 1, 3)
 
 
-def _block(x, p, mask, config: ModelConfig):
+def _block(x, p, mask, lengths, config: ModelConfig):
     """One residual block. x: (batch, seq, hidden) float32 residual stream."""
     c = config
     dtype, eps, pre = c.dtype, c.layer_norm_eps, c.layer_norm == "pre"
@@ -281,7 +347,7 @@ def _block(x, p, mask, config: ModelConfig):
     qkv = _dense(h, p["qkv"], dtype)  # (batch, seq, 3 * hidden)
     qkv = qkv.reshape(batch, seq, 3, c.heads, c.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (batch, seq, heads, head_dim)
-    ctx = _attention(q, k, v, mask)  # (batch, seq, heads, head_dim)
+    ctx = _attention(q, k, v, mask, c.attention, lengths)  # (batch, seq, heads, head_dim)
     attn = _dense(ctx.reshape(batch, seq, c.hidden), p["attention_output"], dtype)
     x = x + attn.astype(jnp.float32)
     if not pre:
@@ -382,13 +448,14 @@ def apply(
     seq = inputs.shape[1]
     attention_mask = attention_mask.astype(jnp.bool_)
     mask = _attention_mask(attention_mask, segments, c.attention_within_segments)
+    lengths = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # (batch,), for cudnn
 
     emb = params["embeddings"]
     x = emb["word"][inputs] + emb["position"][None, :seq]  # (batch, seq, hidden) float32
     x = _layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
 
     def step(x, p):
-        return _block(x, p, mask, c), None
+        return _block(x, p, mask, lengths, c), None
 
     x, _ = jax.lax.scan(step, x, _fused_layers(params["layers"]), unroll=unroll)
     if c.layer_norm == "pre":

@@ -1,0 +1,47 @@
+"""Keep freed host memory in the process, so XLA:CPU's per-step scratch is not page-faulted in
+again on every step.
+
+XLA:CPU allocates one scratch buffer per executable run (720 MB for the small preset's train
+step at batch 32) with ``posix_memalign`` from a worker thread. glibc serves an allocation that
+large from a fresh ``mmap`` and returns it with ``munmap`` when the run ends, so every step
+faults all of it in again: 193,000 minor page faults per step, measured with
+``getrusage``, and ``strace`` shows one 720 MB ``mmap``/``munmap`` pair per step. Telling glibc
+to use one arena, never ``mmap`` and not to trim the heap keeps the buffer mapped: page faults per
+step drop to 0 and the step runs 15-20 % faster (``benchmarks/compare_hf.py``, 2 cores).
+
+``keep_freed_memory`` runs when ``clozax`` is imported (before JAX starts its CPU threads, which
+is when glibc assigns their arenas). It is a no-op off glibc, and ``CLOZAX_HOST_MALLOC=default``
+turns it off. Peak RSS is unchanged (the buffer was resident during each step anyway); memory
+freed after the peak stays with the process until it exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc <malloc.h>
+_NEVER_TRIM = -1  # mallopt(3): "Setting M_TRIM_THRESHOLD to -1 disables trimming completely"
+ENV = "CLOZAX_HOST_MALLOC"
+
+_applied: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Apply the glibc settings once per process; True if they are in effect."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    _applied = False
+    if os.environ.get(ENV, "").lower() == "default" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, ...): leave the allocator alone
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _applied = all(mallopt(option, value) == 1 for option, value in (
+        (M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER_TRIM)))
+    return _applied
