@@ -317,3 +317,23 @@ def test_cpu_layout_matmul_has_the_same_value_and_gradients_as_jnp_dot(shape_in_
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"attention": "flash"}, r"model.attention='flash' is not one of"),
+    ({"attention": "cudnn", "compute_dtype": "bfloat16", "attention_within_segments": True},
+     r"cannot keep attention inside packed documents"),
+    ({"attention": "cudnn"}, r"needs model.compute_dtype='bfloat16'"),
+])
+def test_attention_choice_is_validated_with_the_fix_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        model.preset("tiny", **overrides)
+
+
+def test_every_cpu_attention_choice_gives_the_same_hidden_states(batch):
+    config = model.preset("tiny", vocab_size=VOCAB)
+    params = model.init(config, jax.random.key(0))
+    outs = [model.apply(params, model.preset("tiny", vocab_size=VOCAB, attention=a),
+                        batch["inputs"], batch["mask"]) for a in ("auto", "einsum", "xla")]
+    for out in outs[1:]:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), rtol=1e-5, atol=1e-5)
