@@ -590,13 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     names = list(ALLOCATORS) if args.allocators == "all" else args.allocators.split(",")
     if unknown := [n for n in names if n not in ALLOCATORS]:
         parser.error(f"unknown allocator {unknown}; choose from {', '.join(ALLOCATORS)} or all")
-    if len(names) > 1:
-        raw = list(sys.argv[1:] if argv is None else argv)
-        if "--allocators" in raw:  # drop the option and its value, keep the rest
-            at = raw.index("--allocators")
-            del raw[at:at + 2]
-        raw = [a for a in raw if not a.startswith("--allocators=")]
-        return run_allocators(raw, names)
+    if len(names) > 1:  # each child gets "--allocators NAME" last, which argparse keeps
+        return run_allocators(list(sys.argv[1:] if argv is None else argv), names)
     if args.batch is not None:
         if args.batch < 1:
             parser.error("--batch must be >= 1")

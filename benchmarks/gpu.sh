@@ -36,14 +36,12 @@ for attn in $ATTENTIONS; do [ "$attn" = "$first_attn" ] || runs="$runs $attn:$fi
 for batch in $BATCHES; do [ "$batch" = "$first_batch" ] || runs="$runs $first_attn:$batch"; done
 for run in $runs; do
   attn=${run%%:*} batch=${run##*:}
-  {
-    echo "== $SHAPE bf16, attention $attn, batch $batch =="
-    # One failing configuration (say, no cuDNN attention on this GPU) does not stop the others.
-    if ! "$PY" benchmarks/compare_hf.py --shape "$SHAPE" --dtype bf16 --synthetic \
-        --batch "$batch" --set "model.attention=\"$attn\"" --peak-tflops "$PEAK_TFLOPS" \
-        --warmup 3 --blocks 4 --steps-per-block 10 2>&1 | tee "$OUT/$SHAPE-bf16-$attn-b$batch.txt"
-    then
-      echo "FAILED: $SHAPE bf16, attention $attn, batch $batch (see the lines above)"
-    fi
-  }
+  echo "== $SHAPE bf16, attention $attn, batch $batch =="
+  # One failing configuration (say, no cuDNN attention on this GPU) does not stop the others.
+  if ! "$PY" benchmarks/compare_hf.py --shape "$SHAPE" --dtype bf16 --synthetic \
+      --batch "$batch" --set "model.attention=\"$attn\"" --peak-tflops "$PEAK_TFLOPS" \
+      --warmup 3 --blocks 4 --steps-per-block 10 2>&1 | tee "$OUT/$SHAPE-bf16-$attn-b$batch.txt"
+  then
+    echo "FAILED: $SHAPE bf16, attention $attn, batch $batch (see the lines above)"
+  fi
 done

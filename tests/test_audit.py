@@ -294,20 +294,22 @@ def test_data_only_cli_exits_1_on_a_failed_check(tiny, tmp_path):
     assert failed(report) == {"packing_accounting"}
 
 
-def test_changed_run_tokenizer_fails_only_tokenizer(tiny, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(tiny.run, run)
-    with (run / "tokenizer.json").open("a") as f:
+def _copy_with_changed_tokenizer(source: Path, dest: Path) -> Path:
+    """A copy of a run or dataset directory whose tokenizer.json gained one byte."""
+    shutil.copytree(source, dest)
+    with (dest / "tokenizer.json").open("a") as f:
         f.write(" ")
+    return dest
+
+
+def test_changed_run_tokenizer_fails_only_tokenizer(tiny, tmp_path):
+    run = _copy_with_changed_tokenizer(tiny.run, tmp_path / "run")
     report = audit.audit_run(run, data=tiny.data)
     assert failed(report) == {"tokenizer"}
 
 
 def test_changed_dataset_tokenizer_fails_only_tokenizer_in_data_audit(tiny, tmp_path):
-    data = tmp_path / "data"
-    shutil.copytree(tiny.data, data)
-    with (data / "tokenizer.json").open("a") as f:
-        f.write(" ")
+    data = _copy_with_changed_tokenizer(tiny.data, tmp_path / "data")
     assert failed(audit.audit_data(data)) == {"tokenizer"}
 
 

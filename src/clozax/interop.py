@@ -29,11 +29,12 @@ float32; a ``compute_dtype="bfloat16"`` run then matches in transformers only to
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
+
+from clozax.staging import staged_dir
 
 SPECIAL_NAMES = ("pad", "unk", "cls", "sep", "mask")
 BERT_SPECIALS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]",
@@ -181,23 +182,11 @@ def hf_config(model_config, specials: dict, with_head: bool = True) -> dict:
     }
 
 
-def _fresh_output(out: Path, what: str) -> Path:
-    """A temporary sibling of ``out`` to write into; ``out`` must be absent or empty."""
-    out = Path(out)
+def _check_fresh_output(out: Path, what: str) -> None:
+    """``out`` must be absent or an empty directory (``staged_dir`` then replaces it)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{what} directory {out} already exists and is not empty; choose a new "
                          "output directory or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    if out.exists():
-        out.rmdir()  # empty, checked by _fresh_output
-    tmp.rename(out)
 
 
 def _write_json(path: Path, data) -> None:
@@ -225,8 +214,8 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     tokens = _special_tokens(run.tokenizer_path, specials)
     model_config = run.config.model
     tensors = to_hf_tensors(run.params, model_config, specials["pad"], with_head)
-    tmp = _fresh_output(out_dir, "export")
-    try:
+    _check_fresh_output(out_dir, "export")
+    with staged_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "clozax_run": str(run_dir.absolute()),
                             "clozax_step": str(run.step)})
@@ -241,10 +230,6 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
             "padding_side": "right",  # RoBERTa-PreLayerNorm parity needs right padding
             "clean_up_tokenization_spaces": False,
         })
-        _publish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -502,8 +487,8 @@ def import_hf(hf_dir: Path, out_run: Path) -> Path:
     cfg = _read_json(hf_dir / "config.json", "config")
     layer_norm, arch = _check_hf_config(cfg, hf_dir)
     files = _weight_files(hf_dir)
-    tmp = _fresh_output(out_run, "run")
-    try:
+    _check_fresh_output(out_run, "run")
+    with staged_dir(out_run) as tmp:
         tok, tokenizer_changes = _import_tokenizer(hf_dir, tmp / "tokenizer.json")
         specials = _find_specials(tok, hf_dir)
         vocab = _config_int(cfg, "vocab_size")
@@ -523,10 +508,6 @@ def import_hf(hf_dir: Path, out_run: Path) -> Path:
             "has_mlm_head": has_head,
             "tokenizer_changes": tokenizer_changes,
         })
-        _publish(tmp, out_run)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_run
 
 

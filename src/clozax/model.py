@@ -448,7 +448,8 @@ def apply(
     seq = inputs.shape[1]
     attention_mask = attention_mask.astype(jnp.bool_)
     mask = _attention_mask(attention_mask, segments, c.attention_within_segments)
-    lengths = jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # (batch,), for cudnn
+    lengths = (jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # (batch,)
+               if c.attention == "cudnn" else None)
 
     emb = params["embeddings"]
     x = emb["word"][inputs] + emb["position"][None, :seq]  # (batch, seq, hidden) float32

@@ -41,6 +41,7 @@ from clozax.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
+from clozax.staging import remove_stale_partials, staged_dir
 
 ENCODE_BATCH = 1024  # documents per encode_batch call; speed only
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
@@ -109,47 +110,17 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
         load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
     names = FieldNames(config.text_field, config.group_field, config.label_field)
     records = read_corpus(config.corpus, names, config.strict)  # checks the path now
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    remove_stale_partials(out)
     started = time.perf_counter()
-    try:
+    with staged_dir(out) as tmp:
         progress = _progress(quiet)
         with progress:
             manifest = _build(config, records, tmp, progress)
         if os.environ.get(_PAUSE_ENV):
             time.sleep(float(os.environ[_PAUSE_ENV]))
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if not quiet:
         print_summary(manifest, console or Console(), time.perf_counter() - started)
     return manifest
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Delete temporary directories left by killed runs (their process no longer exists)."""
-    for stale in out.parent.glob(f".{out.name}.partial-*"):
-        try:
-            os.kill(int(stale.name.rsplit("-", 1)[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(stale, ignore_errors=True)
-        except (ValueError, PermissionError):
-            pass  # not ours to judge: a foreign name, or another user's live process
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename into place; an old directory is kept until the new one is complete."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def _progress(quiet: bool) -> Progress:

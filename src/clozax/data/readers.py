@@ -156,19 +156,14 @@ def _from_row(row: object, where: str, fields: FieldNames) -> Record:
         missing = fields.text not in row or row.get(fields.text) is None
         what = "lacks" if missing else "has a non-string"
         return Skip(where, f"{what} text field {fields.text!r}")
-    group = where
-    if fields.group is not None:
-        value = row.get(fields.group)
-        if value is None:
-            return Skip(where, f"lacks group field {fields.group!r}")
-        group = str(value)
-    label = None
-    if fields.label is not None:
-        value = row.get(fields.label)
-        if value is None:
-            return Skip(where, f"lacks label field {fields.label!r}")
-        label = str(value)
-    return RawDocument(text=text, group=group, label=label, source=where)
+    found = {}  # the optional group and label fields that were asked for
+    for kind, name in (("group", fields.group), ("label", fields.label)):
+        if name is not None:
+            if row.get(name) is None:
+                return Skip(where, f"lacks {kind} field {name!r}")
+            found[kind] = str(row[name])
+    return RawDocument(text=text, group=found.get("group", where), label=found.get("label"),
+                       source=where)
 
 
 def _read_jsonl(path: Path, rel: str, fields: FieldNames) -> Iterator[Record]:
