@@ -506,8 +506,8 @@ def print_result(r: dict) -> None:
 # runs one setting for both sides; ``--allocators`` with several runs one process per setting and
 # compares each side at its own best, so neither side is handicapped by the other's setting.
 ALLOCATORS = {
-    # clozax.hostmem (applied on import): one arena, no mmap, no trim. Measured: clozax fp32
-    # +13 %, HF fp32 +16 %, but HF bf16 -26 % (its threads contend for the single arena).
+    # clozax.hostmem, as `clozax train` applies it: one arena, no mmap, no trim. Measured:
+    # clozax fp32 +13 %, HF fp32 +16 %, HF bf16 -26 % (its threads contend for the one arena).
     "clozax": {},
     "default": {"CLOZAX_HOST_MALLOC": "default"},  # glibc as it comes
     # No mmap and no trim, glibc's usual per-thread arenas: HF bf16's fastest setting measured.
@@ -520,8 +520,8 @@ def run_allocators(argv: list[str], names: list[str]) -> int:
     """One subprocess per allocator setting; then each side at its best, per dtype."""
     runs = {}
     for name in names:
-        print(f"-- allocator {name!r} ({ALLOCATORS[name] or 'clozax.hostmem on import'}) ...",
-              file=sys.stderr, flush=True)
+        what = ALLOCATORS[name] or "clozax.hostmem, as clozax train"
+        print(f"-- allocator {name!r} ({what}) ...", file=sys.stderr, flush=True)
         env = {**os.environ, **ALLOCATORS[name]}
         for key in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX"):
             if key not in ALLOCATORS[name]:
@@ -599,10 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps_per_block, args.blocks, args.warmup) < 1:
         parser.error("--steps-per-block, --blocks and --warmup must be >= 1")
 
+    from clozax import hostmem
+
+    kept = hostmem.keep_freed_memory()  # before JAX is imported (a no-op unless "clozax")
+
     import jax
     import torch
-
-    import clozax  # noqa: F401  first, before JAX or torch start threads: see clozax.hostmem
 
     torch.set_num_threads(os.cpu_count() or 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -615,8 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         "jax": jax.__version__, "jax_backend": jax.default_backend(),
         "jax_devices": [str(d) for d in jax.devices()],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "host_malloc": names[0] + (" (clozax.hostmem applied)"
-                                   if clozax.hostmem.keep_freed_memory() else ""),
+        "host_malloc": names[0] + (" (clozax.hostmem applied)" if kept else ""),
         "torch_threads": torch.get_num_threads(), "torch_device": device,
         "cpu_count": os.cpu_count(), "platform": platform.platform(),
         "python": sys.version.split()[0],

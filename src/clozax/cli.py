@@ -13,6 +13,8 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
+from clozax import hostmem
+
 app = typer.Typer(
     name="clozax",
     help="Masked-language-model pretraining in JAX, with an objective you can audit.",
@@ -128,6 +130,7 @@ def train(
     ] = None,
 ):
     """Pretrain an encoder with masked language modelling on a prepared dataset."""
+    hostmem.keep_freed_memory()  # before JAX starts: see clozax.hostmem
     from clozax import config as config_lib
     from clozax import train as train_lib
 
@@ -314,6 +317,7 @@ def demo(
     ] = False,
 ):
     """Prepare the built-in corpus, train, evaluate, probe, audit and report (resumable)."""
+    hostmem.keep_freed_memory()  # before JAX starts: see clozax.hostmem
     from clozax import demo as demo_lib
 
     summary = demo_lib.run_demo(out, steps=steps, preset=preset, quick=quick)

@@ -9,10 +9,17 @@ faults all of it in again: 193,000 minor page faults per step, measured with
 to use one arena, never ``mmap`` and not to trim the heap keeps the buffer mapped: page faults per
 step drop to 0 and the step runs 15-20 % faster (``benchmarks/compare_hf.py``, 2 cores).
 
-``keep_freed_memory`` runs when ``clozax`` is imported (before JAX starts its CPU threads, which
-is when glibc assigns their arenas). It is a no-op off glibc, and ``CLOZAX_HOST_MALLOC=default``
-turns it off. Peak RSS is unchanged (the buffer was resident during each step anyway); memory
-freed after the peak stays with the process until it exits. Measured on the train step (the
+``keep_freed_memory`` must run before JAX is imported (importing it already starts threads that
+take arenas of their own, and XLA's workers would later share those: measured, 21,000 faults per
+step instead of 0); once JAX is imported it does nothing and returns False. ``clozax train`` and
+``clozax demo`` call it first thing; Python users call it before any JAX work. It is not applied
+on import because the single arena costs compilation: the small train step compiled in 5.4 s
+instead of 3.5 s (XLA's compile threads contend for the arena), and the test suite ran 424 s
+instead of 331 s. Training repays that after ~20 steps (~100 ms saved per small-preset step);
+short, compile-heavy commands (evaluate, probe, audit) do not, so they keep glibc's default.
+It is a no-op off glibc, and ``CLOZAX_HOST_MALLOC=default`` turns it off. Peak RSS is unchanged
+(the buffer was resident during each step anyway); memory freed after the peak stays with the
+process until it exits. Measured on the train step once the heap has settled (a few steps; the
 test suite checks 0 faults per step against ~85,000 with glibc's default); other programs'
 buffers can still be faulted in when the heap's free space is fragmented.
 """
@@ -31,12 +38,14 @@ _applied: bool | None = None
 
 
 def keep_freed_memory() -> bool:
-    """Apply the glibc settings once per process; True if they are in effect."""
+    """Apply the glibc settings once per process, before JAX starts; True if they took."""
     global _applied
     if _applied is not None:
         return _applied
     _applied = False
     if os.environ.get(ENV, "").lower() == "default" or not sys.platform.startswith("linux"):
+        return False
+    if "jax" in sys.modules:  # too late: importing JAX already starts threads with arenas
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
