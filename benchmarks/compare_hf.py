@@ -60,27 +60,32 @@ LR, B1, B2, EPS, WD, CLIP = 1e-3, 0.9, 0.98, 1e-6, 0.01, 1.0  # clozax's OptimCo
 
 def useful_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: int, seq: int,
                           batch: int, selected: int) -> float:
-    """Useful training FLOPs of one step (forward + backward = 3 x forward).
+    """Useful training FLOPs of one step (forward + backward = 3 x forward): the matmul work
+    the MLM loss depends on.
 
-    ``6 * N * T`` for the encoder's dense layers, with ``N = layers * (4 H^2 + 2 H I)`` (QKV,
-    attention output, MLP in and out; embeddings excluded) and ``T = batch * seq`` tokens;
-    plus attention scores and values ``12 * layers * seq * H`` per token (``Q K^T`` and ``P V``,
-    ``2 * seq * H`` each per token per layer, times 3 for training); plus the MLM head on the
-    selected positions only, ``6 * (H^2 + H V) * S`` with ``S = batch * selected`` (transform
-    and tied decoder). Element-wise work (LayerNorm, GELU, softmax, AdamW) is not counted.
-    A dense head (HF's) executes ``6 * (H^2 + H V) * T`` instead; that is not useful work.
+    Per token per layer, ``2 * (4 H^2 + 2 H I)`` forward for the dense layers (QKV, attention
+    output, MLP in and out; embeddings excluded) and ``4 * seq * H`` for attention scores and
+    values, all over ``T = batch * seq`` tokens in every layer but the last. The loss reads the
+    last layer's output only at the ``S = batch * selected`` selected positions, so there the
+    keys and values count for all T tokens (``2 * 2 H^2``) and the query, attention, output
+    projection and MLP only for S. Plus the MLM head on S (transform and tied decoder,
+    ``2 * (H^2 + H V)``). Element-wise work (LayerNorm, GELU, softmax, AdamW) is not counted.
+    HF executes the full last layer and a dense head over all T (``executed_flops_per_step``).
     """
+    tokens, sel = batch * seq, batch * selected
+    per_token = 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden
+    last_kv = 2 * 2 * hidden * hidden * tokens
+    last_rows = (2 * (2 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden) * sel
+    head = 2 * (hidden * hidden + hidden * vocab) * sel
+    return float(3 * ((layers - 1) * per_token * tokens + last_kv + last_rows + head))
+
+
+def executed_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: int, seq: int,
+                            batch: int) -> float:
+    """Training FLOPs of a full encoder and a head over every position (what HF executes)."""
     tokens = batch * seq
-    n_dense = layers * (4 * hidden * hidden + 2 * hidden * intermediate)
-    encoder = 6 * n_dense * tokens
-    attention = 12 * layers * seq * hidden * tokens
-    head = 6 * (hidden * hidden + hidden * vocab) * batch * selected
-    return float(encoder + attention + head)
-
-
-def dense_head_flops_per_step(hidden: int, vocab: int, seq: int, batch: int) -> float:
-    """Training FLOPs of a head over every position (what HF executes)."""
-    return float(6 * (hidden * hidden + hidden * vocab) * batch * seq)
+    per_token = 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden
+    return float(3 * (layers * per_token + 2 * (hidden * hidden + hidden * vocab)) * tokens)
 
 
 class MatmulPeak:
@@ -424,9 +429,8 @@ def compare(dtype_name: str, args, rows: Rows, device: str) -> dict:
     h = _hf_dims(shape["preset"])
     useful = useful_flops_per_step(h["hidden"], h["layers"], h["intermediate"], shape["vocab"],
                                    shape["seq"], shape["batch"], cz.count)
-    dense = (useful - 6 * (h["hidden"] ** 2 + h["hidden"] * shape["vocab"]) * shape["batch"]
-             * cz.count + dense_head_flops_per_step(h["hidden"], shape["vocab"], shape["seq"],
-                                                    shape["batch"]))
+    dense = executed_flops_per_step(h["hidden"], h["layers"], h["intermediate"], shape["vocab"],
+                                    shape["seq"], shape["batch"])
     cz_med, hf_med = statistics.median(cz_tps), statistics.median(hf_tps)
     steps_per_s_cz, steps_per_s_hf = cz_med / tokens_per_step, hf_med / tokens_per_step
     peak_med = statistics.median(peaks)

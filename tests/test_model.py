@@ -297,26 +297,40 @@ def test_head_major_attention_matches_dot_product_attention(batch, within_segmen
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape_in_out", [(16, 48), (48, 16)])  # transposes x, transposes dy
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_cpu_layout_matmul_has_the_same_value_and_gradients_as_jnp_dot(shape_in_out, dtype):
-    fan_in, fan_out = shape_in_out
-    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
-    x = jax.random.normal(kx, (3, 5, fan_in), jnp.float32).astype(dtype)  # (batch, seq, in)
-    w = jax.random.normal(kw, (fan_in, fan_out), jnp.float32).astype(dtype)
-    cotangent = jax.random.normal(kg, (3, 5, fan_out), jnp.float32).astype(dtype)
+@pytest.mark.parametrize("name", ["pre", "post", "pre_segments", "post_segments", "pre_bf16"])
+def test_apply_at_positions_equals_the_gathered_full_apply(params, batch, name):
+    """The sparse last block (queries, attention output and MLP only at the selected
+    positions) gives the gathered hidden states and their parameter gradients."""
+    config = CONFIGS[name]
+    params = params["post" if name.startswith("post") else "pre"]
+    args = (jnp.asarray(batch["inputs"]), jnp.asarray(batch["mask"]),
+            jnp.asarray(batch["segments"]))
+    positions = jnp.asarray(batch["positions"])
 
-    def pulled(f):
-        y, vjp = jax.vjp(f, x, w)
-        return (y, *vjp(cotangent))
+    def full(p):
+        return model.gather(model.apply(p, config, *args), positions)
 
-    ours = jax.jit(lambda: pulled(model._matmul))()
-    reference = jax.jit(lambda: pulled(jnp.dot))()
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of the same sums
-    for a, b in zip(ours, reference, strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=tol, atol=tol)
+    def sparse(p):
+        return model.apply(p, config, *args, positions=positions)
+
+    def loss(f):
+        return jax.jit(jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p)))))
+
+    tol = 1e-5 if config.compute_dtype == "float32" else 2e-2
+    a, b = jax.jit(full)(params), jax.jit(sparse)(params)
+    assert b.shape == (BATCH, COUNT, config.hidden) and b.dtype == jnp.float32
+    np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+    (la, ga), (lb, gb) = loss(full)(params), loss(sparse)(params)
+    np.testing.assert_allclose(lb, la, rtol=tol)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ga))
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(y, x, atol=tol * scale)
+
+
+def test_apply_at_positions_rejects_misshaped_positions(params, batch):
+    with pytest.raises(ValueError, match="pass \\(batch, count\\) int positions"):
+        model.apply(params["pre"], CONFIGS["pre"], batch["inputs"], batch["mask"],
+                    positions=batch["positions"][0])
 
 
 @pytest.mark.parametrize("overrides, message", [

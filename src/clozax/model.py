@@ -71,6 +71,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from clozax import kernels
+
 Params = dict[str, Any]
 
 LAYER_NORMS = ("pre", "post")
@@ -248,51 +250,20 @@ def _layer_norm(x, p, eps):
 
 
 def _dense(x, p, dtype):
-    """``x @ kernel + bias`` with operands in the compute dtype; result in the compute dtype."""
-    x, kernel = x.astype(dtype), p["kernel"].astype(dtype)
-    y = _matmul(x, kernel) if jax.default_backend() == "cpu" else jnp.dot(x, kernel)
-    return y + p["bias"].astype(dtype)
+    """``x @ kernel + bias`` with matmul operands in the compute dtype.
 
-
-@jax.custom_vjp
-def _matmul(x, w):
-    """``x @ w`` whose weight gradient transposes the smaller operand (XLA:CPU layout fix).
-
-    The weight gradient contracts over tokens: ``dW = x^T dy`` with x (tokens, in) and dy
-    (tokens, out). XLA:CPU's matmul library wants the contraction dimension contiguous in one
-    operand, so XLA inserts a transpose, and it chose the large one (dy for QKV and the MLP
-    input, 12-16 MB each), fused with the element-wise backward into a slow loop (83 ms of
-    transposes per small-preset step). Here the smaller of x and dy is transposed, alone
-    (``optimization_barrier`` keeps element-wise producers out of the copy), and dW or dW^T is a
-    plain row-major matmul. Same products and sums as ``jnp.dot``'s gradient; train step 12-16 %
-    faster on 2 cores (measured side by side). Used on CPU only; GPUs keep ``jnp.dot``.
+    On CPU the result is float32 (``kernels.matmul``: YNNPACK takes bf16 only as
+    bf16 x bf16 -> f32, and its gradients are laid out for XLA:CPU); elsewhere it is the
+    compute dtype, from ``jnp.dot``.
     """
-    return jnp.dot(x, w)
+    if jax.default_backend() == "cpu":
+        return kernels.matmul(x.astype(jnp.float32), p["kernel"], dtype) + p["bias"]
+    return jnp.dot(x.astype(dtype), p["kernel"].astype(dtype)) + p["bias"].astype(dtype)
 
 
-def _matmul_fwd(x, w):
-    return jnp.dot(x, w), (x, w)
-
-
-def _matmul_bwd(residuals, dy):
-    x, w = residuals
-    barrier = jax.lax.optimization_barrier
-    x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
-    dy2 = dy.reshape(-1, dy.shape[-1])  # (tokens, out)
-    dx = jax.lax.dot_general(dy2, w, (((1,), (1,)), ((), ())))  # (tokens, in) = dy @ w^T
-    if x2.shape[1] <= dy2.shape[1]:
-        dw = jnp.dot(barrier(barrier(x2).T), dy2)  # (in, tokens) @ (tokens, out)
-    else:
-        dw = jnp.dot(barrier(barrier(dy2).T), x2).T  # ((out, tokens) @ (tokens, in))^T
-    return dx.reshape(x.shape), dw
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-def _gelu(x, dtype):
-    # Exact erf GELU (HF "gelu"), evaluated in float32; XLA fuses the casts into the op.
-    return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(dtype)
+def _gelu(x):
+    # Exact erf GELU (HF "gelu"), evaluated and returned in float32; the next matmul casts.
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=False)
 
 
 def _attention_mask(attention_mask, segments, within_segments):
@@ -304,58 +275,76 @@ def _attention_mask(attention_mask, segments, within_segments):
     return same[:, None, :, :] & key_real  # (batch, 1, seq, seq)
 
 
-def _attention(q, k, v, mask, impl: str = "auto", lengths=None):
+def _rows_mask(mask, rows):
+    """``mask`` (batch, 1, q or 1, k) restricted to query positions ``rows`` (batch, count)."""
+    if mask.shape[2] == 1:
+        return mask
+    return jnp.take_along_axis(mask, rows[:, None, :, None], axis=2)  # (batch, 1, count, k)
+
+
+def _attention(q, k, v, mask, impl: str = "auto", lengths=None, dtype=None):
     """Scaled dot-product attention. q, k, v: (batch, seq, heads, head_dim); same out.
 
-    ``impl`` (``model.attention``) chooses how, never what:
+    ``dtype`` is the compute dtype of the matmul operands (default: q's). ``impl``
+    (``model.attention``) chooses how, never what:
 
-    - ``einsum`` (``auto`` on CPU) computes in (batch, heads, seq, head_dim) layout with
-      explicit einsums: XLA:CPU runs those batched matmuls without the per-head transposes it
-      inserts around ``jax.nn.dot_product_attention``'s layout (train step 11 % faster on 2
-      cores, measured side by side). Scores and softmax in float32.
+    - ``einsum`` (``auto`` on CPU): ``kernels.attention``, explicit batched matmuls in
+      (batch, heads, seq, head_dim) layout with a hand-written backward that XLA:CPU runs in
+      YNNPACK (see ``clozax.kernels``). Scores and softmax in float32; returns float32.
     - ``xla`` (``auto`` elsewhere): ``jax.nn.dot_product_attention`` with the boolean mask.
     - ``cudnn``: cuDNN's fused flash-attention kernel on NVIDIA GPUs, given per-row
       ``lengths`` (batch,) instead of a boolean mask (JAX issues #23349, #28974: a boolean
       mask forces a slower path). Valid when padding is a suffix of every row, which clozax's
       packing guarantees (``apply`` derives the lengths from ``attention_mask``).
     """
+    dtype = q.dtype if dtype is None else dtype
     if impl == "auto":
         impl = "einsum" if jax.default_backend() == "cpu" else "xla"
+    if impl == "einsum":
+        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+        return kernels.attention(q, k, v, mask, dtype)
+    q, k, v = (t.astype(dtype) for t in (q, k, v))
     if impl == "xla":
         return jax.nn.dot_product_attention(q, k, v, mask=mask)
-    if impl == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=lengths,
-                                            key_value_seq_lengths=lengths,
-                                            implementation="cudnn")
-    dtype = q.dtype
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-    scores = jnp.einsum("bnqd,bnkd->bnqk", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # (batch, heads, q, k)
-    ctx = jnp.einsum("bnqk,bnkd->bnqd", probs, v, preferred_element_type=jnp.float32)
-    return ctx.astype(dtype).transpose(0, 2, 1, 3)
+    # Queries at selected rows only (``apply(positions=)``) are all real.
+    q_lengths = lengths if q.shape[1] == k.shape[1] else jnp.full_like(lengths, q.shape[1])
+    return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=q_lengths,
+                                        key_value_seq_lengths=lengths, implementation="cudnn")
 
 
-def _block(x, p, mask, lengths, config: ModelConfig):
-    """One residual block. x: (batch, seq, hidden) float32 residual stream."""
+def _block(x, p, mask, lengths, config: ModelConfig, rows=None):
+    """One residual block. x: (batch, seq, hidden) float32 residual stream.
+
+    With ``rows`` (batch, count) int, only those query positions are computed: keys and values
+    still come from every position, and the block returns (batch, count, hidden), equal to
+    the full block's output gathered at ``rows``. ``mask`` must then already be the rows'
+    (``_rows_mask``). The last block of ``apply(..., positions=)`` runs this way.
+    """
     c = config
     dtype, eps, pre = c.dtype, c.layer_norm_eps, c.layer_norm == "pre"
-    batch, seq, _ = x.shape
+    batch, seq, hidden = x.shape
 
-    # Attention, one fused QKV matmul.
+    # Attention, one fused QKV matmul (or Q at the rows and KV everywhere).
     h = _layer_norm(x, p["attention_norm"], eps) if pre else x
-    qkv = _dense(h, p["qkv"], dtype)  # (batch, seq, 3 * hidden)
-    qkv = qkv.reshape(batch, seq, 3, c.heads, c.head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (batch, seq, heads, head_dim)
-    ctx = _attention(q, k, v, mask, c.attention, lengths)  # (batch, seq, heads, head_dim)
-    attn = _dense(ctx.reshape(batch, seq, c.hidden), p["attention_output"], dtype)
+    if rows is None:
+        qkv = _dense(h, p["qkv"], dtype).reshape(batch, seq, 3, c.heads, c.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (batch, seq, heads, head_dim)
+    else:
+        q_part = {n: a[..., :hidden] for n, a in p["qkv"].items()}
+        kv_part = {n: a[..., hidden:] for n, a in p["qkv"].items()}
+        kv = _dense(h, kv_part, dtype).reshape(batch, seq, 2, c.heads, c.head_dim)
+        k, v = kv[:, :, 0], kv[:, :, 1]  # (batch, seq, heads, head_dim)
+        x, h = gather(x, rows), gather(h, rows)  # (batch, count, hidden)
+        q = _dense(h, q_part, dtype).reshape(batch, -1, c.heads, c.head_dim)
+    ctx = _attention(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, heads, head_dim)
+    attn = _dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
     x = x + attn.astype(jnp.float32)
     if not pre:
         x = _layer_norm(x, p["attention_norm"], eps)
 
     # MLP.
     h = _layer_norm(x, p["mlp_norm"], eps) if pre else x
-    h = _gelu(_dense(h, p["intermediate"], dtype), dtype)  # (batch, seq, intermediate)
+    h = _gelu(_dense(h, p["intermediate"], dtype))  # (batch, seq or count, intermediate)
     x = x + _dense(h, p["output"], dtype).astype(jnp.float32)
     if not pre:
         x = _layer_norm(x, p["mlp_norm"], eps)
@@ -425,6 +414,7 @@ def apply(
     attention_mask: jax.Array,
     segments: jax.Array | None = None,
     *,
+    positions: jax.Array | None = None,
     unroll: int | bool = True,
 ) -> jax.Array:
     """Final hidden states, float32 for either compute dtype.
@@ -434,6 +424,12 @@ def apply(
     ``config.attention_within_segments``. Returns (batch, seq, hidden) float32.
     Padding keys never influence any query; the hidden states at padded positions are
     well-defined but meaningless.
+
+    With ``positions`` (batch, count) int, returns only the hidden states there, (batch, count,
+    hidden), equal to ``gather(apply(...), positions)`` up to float32 rounding: the last block
+    computes queries, attention output and MLP at those positions only (its keys and values
+    still come from every position), which is all an MLM loss at selected positions needs.
+    For the small preset that skips 18 % of the encoder's matmul work.
 
     ``unroll`` is a speed-only setting passed to ``jax.lax.scan`` over the layers: ``True``
     (the default) unrolls every block, so XLA schedules and fuses across layers (on 2-core CPU
@@ -458,7 +454,21 @@ def apply(
     def step(x, p):
         return _block(x, p, mask, lengths, c), None
 
-    x, _ = jax.lax.scan(step, x, _fused_layers(params["layers"]), unroll=unroll)
+    layers = _fused_layers(params["layers"])
+    if positions is None:
+        x, _ = jax.lax.scan(step, x, layers, unroll=unroll)
+    else:
+        positions = jnp.asarray(positions)
+        if positions.ndim != 2 or positions.shape[0] != inputs.shape[0]:
+            raise ValueError(
+                f"positions have shape {positions.shape}; pass (batch, count) int positions "
+                f"for inputs of shape {inputs.shape}"
+            )
+        if c.layers > 1:
+            first = jax.tree_util.tree_map(lambda a: a[:-1], layers)
+            x, _ = jax.lax.scan(step, x, first, unroll=unroll)
+        last = jax.tree_util.tree_map(lambda a: a[-1], layers)
+        x = _block(x, last, _rows_mask(mask, positions), lengths, c, rows=positions)
     if c.layer_norm == "pre":
         x = _layer_norm(x, params["final_norm"], c.layer_norm_eps)
     return x
@@ -483,12 +493,11 @@ def mlm_logits(params: Params, config: ModelConfig, hidden_sel: jax.Array) -> ja
     hidden_sel: (batch, count, hidden). Returns (batch, count, vocab) float32.
     """
     head, dtype = params["head"], config.dtype
-    h = _gelu(_dense(hidden_sel, head["transform"], dtype), dtype)
+    h = _gelu(_dense(hidden_sel, head["transform"], dtype))
     h = _layer_norm(h, head["layer_norm"], config.layer_norm_eps)  # (batch, count, hidden)
-    word = params["embeddings"]["word"].astype(dtype)  # (vocab, hidden)
-    # Contract on hidden directly: x @ E.T without materialising the transpose.
-    logits = jnp.einsum("bch,vh->bcv", h.astype(dtype), word, preferred_element_type=jnp.float32)
-    return logits + head["bias"]  # (batch, count, vocab)
+    word = params["embeddings"]["word"]  # (vocab, hidden), contracted on hidden (no transpose)
+    decode = kernels.decode if jax.default_backend() == "cpu" else kernels.plain_decode
+    return decode(h, word, dtype) + head["bias"]  # (batch, count, vocab) float32
 
 
 def decay_mask(params: Params) -> Params:

@@ -141,8 +141,9 @@ def make_loss(model_config):
     """
 
     def loss_fn(params, inputs, segments, positions, targets, valid):
-        hidden = model_lib.apply(params, model_config, inputs, segments > 0, segments)
-        logits = model_lib.mlm_logits(params, model_config, model_lib.gather(hidden, positions))
+        hidden_sel = model_lib.apply(params, model_config, inputs, segments > 0, segments,
+                                     positions=positions)  # (batch, count, hidden)
+        logits = model_lib.mlm_logits(params, model_config, hidden_sel)
         total, count = masked_nll(logits, targets, valid)  # logits: (batch, count, vocab)
         return total, (total, count)  # differentiate the numerator; carry the count
 

@@ -1,0 +1,187 @@
+"""The encoder's matmul-shaped pieces with hand-written gradients laid out for XLA:CPU.
+
+Each function here is the same maths as autodiff of the plain ``plain_*`` function beside it;
+only the operand layouts of the backward matmuls differ. Why it matters (measured on the 2-core
+Sapphire Rapids box with jax 0.10.2; see ``benchmarks/README.md``):
+
+- XLA:CPU hands a dot to YNNPACK only when its left operand contracts its *last* axis and
+  neither operand is column-major (``xla/backends/cpu/ynn_support.cc``). Autodiff's weight,
+  key and value gradients contract over tokens, the left operand's *first* axis, so XLA either
+  inserts a transpose fused with element-wise work (slow) or falls back to its own loop emitter.
+- YNNPACK takes bfloat16 only as ``bf16 x bf16 -> f32``: then it uses AMX (1.0-1.6 TFLOP/s on
+  2 cores, against 0.29 for float32). A bf16 dot with a bf16 result, or one whose operand is a
+  transpose, is silently upcast to float32 before it gets there.
+
+So every matmul below returns float32 and takes its left operand with the contraction last:
+where a gradient needs the transposed operand, ``transpose`` makes a physical copy (reshape ->
+transpose -> reshape, which XLA cannot fold back into the dot), of the smaller operand. A plain
+``.T`` on a dot's *result* is no better: XLA rewrites it into a dot with swapped, transposed
+operands, which for bfloat16 fails at run time in jax 0.10.2 ("Unsupported element type for
+DotThunk::Execute: BF16 x BF16 = F32"), so results are transposed with ``transpose`` too.
+
+All functions take float32 inputs and return float32; ``dtype`` is the compute dtype the
+matmul operands are cast to (float32 or bfloat16). Softmax and its gradient stay float32.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def transpose(x: jax.Array) -> jax.Array:
+    """Swap the last two axes as a physical copy with row-major layout.
+
+    A plain ``swapaxes`` reaches XLA as a layout-changing transpose that it folds into the
+    consuming dot, which is what the functions here must avoid. Going through a unit axis and a
+    rank change forces a copy. (..., m, n) -> (..., n, m).
+    """
+    *lead, m, n = x.shape
+    r = len(lead)
+    y = x.reshape(*lead, m, n, 1).transpose(*range(r), r + 2, r + 1, r)  # (..., 1, n, m)
+    return y.reshape(*lead, n, m)
+
+
+def swap_seq_heads(x: jax.Array) -> jax.Array:
+    """(batch, seq, heads, d) <-> (batch, heads, seq, d) as a physical row-major copy.
+
+    For the same reason as ``transpose``: a layout-changing transpose feeding a bf16 dot makes
+    XLA:CPU upcast that dot to float32.
+    """
+    b, s, n, d = x.shape
+    return x.reshape(b, s, n, d, 1).transpose(0, 2, 4, 1, 3).reshape(b, n, s, d)
+
+
+def _dot(a, b, dtype):
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=F32)
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def plain_matmul(x, w, dtype):
+    """x (..., in) @ w (in, out) in ``dtype`` with a float32 result; autodiff gradients."""
+    return _dot(x, w, dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x, w, dtype):
+    """``plain_matmul`` whose gradients are two row-major matmuls and one small transpose.
+
+    x (..., in) float32, w (in, out) float32 -> (..., out) float32.
+    dx = dy @ w^T (w is the right operand, contracted on its last axis: YNNPACK takes it);
+    dW = x^T @ dy, computed as the smaller of x and dy transposed times the other.
+    """
+    return _dot(x, w, dtype)
+
+
+def _matmul_fwd(x, w, dtype):
+    xc, wc = x.astype(dtype), w.astype(dtype)
+    return jnp.dot(xc, wc, preferred_element_type=F32), (xc, wc)
+
+
+def _matmul_bwd(dtype, residuals, dy):
+    xc, wc = residuals
+    x2 = xc.reshape(-1, xc.shape[-1])  # (tokens, in)
+    dy2 = dy.astype(dtype).reshape(-1, dy.shape[-1])  # (tokens, out)
+    dx = jax.lax.dot_general(dy2, wc, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    if x2.shape[1] <= dy2.shape[1]:
+        dw = jnp.dot(transpose(x2), dy2, preferred_element_type=F32)  # (in, out)
+    else:
+        dw = transpose(jnp.dot(transpose(dy2), x2, preferred_element_type=F32))  # (out, in)^T
+    return dx.reshape(xc.shape), dw
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def plain_attention(q, k, v, mask, dtype):
+    """Softmax attention. q, k, v: (batch, seq, heads, head_dim) float32 -> same, float32.
+
+    mask: bool, broadcastable to (batch, heads, q, k), True where a query may see a key.
+    Scores, softmax and the context are float32; matmul operands are ``dtype``.
+    """
+    qh, kh, vh = (t.astype(dtype).transpose(0, 2, 1, 3) for t in (q, k, v))  # (b, n, s, d)
+    scores = jnp.einsum("bnqd,bnkd->bnqk", qh, kh, preferred_element_type=F32)
+    scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1)  # (b, n, q, k) float32
+    ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(dtype), vh, preferred_element_type=F32)
+    return ctx.transpose(0, 2, 1, 3)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attention(q, k, v, mask, dtype):
+    """``plain_attention`` with a backward of four row-major batched matmuls.
+
+    Forward: S = Q K^T (K contracted on its last axis), P = softmax(S), C = P V.
+    Backward: dV = P^T dC and dK = dS^T Q take physical transposes of P and dS (128 x 128
+    per head at seq 128); dP = dC V^T and dQ = dS K need none. dS = P (dP - rowsum(dP P))
+    / sqrt(head_dim), zero wherever the mask is False, as autodiff of ``where`` gives.
+    """
+    return _attention_fwd(q, k, v, mask, dtype)[0]
+
+
+def _attention_fwd(q, k, v, mask, dtype):
+    qh, kh, vh = (swap_seq_heads(t.astype(dtype)) for t in (q, k, v))  # (b, n, s, d)
+    scores = jnp.einsum("bnqd,bnkd->bnqk", qh, kh, preferred_element_type=F32)
+    scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1)  # (b, n, q, k) float32
+    ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(dtype), vh, preferred_element_type=F32)
+    return swap_seq_heads(ctx), (qh, kh, vh, probs, mask)
+
+
+def _attention_bwd(dtype, residuals, dctx):
+    qh, kh, vh, probs, mask = residuals
+    dc = swap_seq_heads(dctx.astype(dtype))  # (b, n, q, d)
+    dv = jnp.einsum("bnkq,bnqd->bnkd", transpose(probs.astype(dtype)), dc,
+                    preferred_element_type=F32)
+    dp = jnp.einsum("bnqd,bnkd->bnqk", dc, vh, preferred_element_type=F32)
+    ds = probs * (dp - jnp.sum(dp * probs, axis=-1, keepdims=True))
+    ds = jnp.where(mask, ds / math.sqrt(qh.shape[-1]), 0.0).astype(dtype)  # (b, n, q, k)
+    dq = jnp.einsum("bnqk,bnkd->bnqd", ds, kh, preferred_element_type=F32)
+    dk = jnp.einsum("bnkq,bnqd->bnkd", transpose(ds), qh, preferred_element_type=F32)
+    return (*(swap_seq_heads(t) for t in (dq, dk, dv)), None)  # (b, s, n, d) each
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- decoder
+
+
+def plain_decode(h, word, dtype):
+    """Tied decoder logits h @ word^T. h (..., hidden), word (vocab, hidden) -> (..., vocab)."""
+    return jnp.einsum("...h,vh->...v", h.astype(dtype), word.astype(dtype),
+                      preferred_element_type=F32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def decode(h, word, dtype):
+    """``plain_decode`` whose embedding gradient is (h^T dlogits)^T: the transposed operand is
+    the (selected, hidden) block, not the (selected, vocab) logits gradient."""
+    return plain_decode(h, word, dtype)
+
+
+def _decode_fwd(h, word, dtype):
+    hc, wc = h.astype(dtype), word.astype(dtype)
+    return plain_decode(hc, wc, dtype), (hc, wc)
+
+
+def _decode_bwd(dtype, residuals, dlogits):
+    hc, wc = residuals
+    h2 = hc.reshape(-1, hc.shape[-1])  # (rows, hidden)
+    dl = dlogits.astype(dtype).reshape(-1, dlogits.shape[-1])  # (rows, vocab)
+    dh = jnp.dot(dl, wc, preferred_element_type=F32)  # (rows, hidden)
+    dword = transpose(jnp.dot(transpose(h2), dl, preferred_element_type=F32))  # (vocab, hidden)
+    return dh.reshape(hc.shape), dword
+
+
+decode.defvjp(_decode_fwd, _decode_bwd)

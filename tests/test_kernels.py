@@ -1,0 +1,114 @@
+"""CPU-layout kernels: each equals autodiff of its plain twin, and bf16 reaches YNNPACK as bf16."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clozax import kernels
+from clozax import model as model_lib
+
+BATCH, SEQ, HEADS, HEAD_DIM = 2, 16, 2, 8
+
+
+def _inputs_matmul(fan_in, fan_out):
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (3, 5, fan_in))  # (batch, seq, in)
+    w = jax.random.normal(kw, (fan_in, fan_out))
+    return (x, w), (3, 5, fan_out)
+
+
+def _inputs_attention(mask):
+    q, k, v = (jax.random.normal(key, (BATCH, SEQ, HEADS, HEAD_DIM))
+               for key in jax.random.split(jax.random.key(4), 3))
+    return (q, k, v, mask), (BATCH, SEQ, HEADS, HEAD_DIM)
+
+
+def _inputs_decode():
+    kh, kw = jax.random.split(jax.random.key(5))
+    return (jax.random.normal(kh, (3, 5, 32)), jax.random.normal(kw, (50, 32))), (3, 5, 50)
+
+
+KEY_PADDING = (jnp.arange(SEQ)[None, :] < jnp.array([16, 9])[:, None])[:, None, None, :]
+# Per-query mask with whole rows masked out (padding queries under within-segment attention).
+ROWS_MASKED = jnp.zeros((BATCH, 1, SEQ, SEQ), bool).at[:, :, :8, :8].set(True)
+
+CASES = {
+    "matmul transposes x": (kernels.matmul, kernels.plain_matmul, _inputs_matmul(16, 48)),
+    "matmul transposes dy": (kernels.matmul, kernels.plain_matmul, _inputs_matmul(48, 16)),
+    "attention, key padding": (kernels.attention, kernels.plain_attention,
+                               _inputs_attention(KEY_PADDING)),
+    "attention, masked rows": (kernels.attention, kernels.plain_attention,
+                               _inputs_attention(ROWS_MASKED)),
+    "decode": (kernels.decode, kernels.plain_decode, _inputs_decode()),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_value_and_gradients_equal_autodiff_of_the_plain_version(case, dtype):
+    """fp32: the same sums in another order (measured <= 3.4e-7 relative). bf16: the kernels
+    round the incoming gradient to bf16 before each backward matmul (as torch autocast does),
+    autodiff of the plain version multiplies it in float32 instead; measured <= 5.4e-3
+    relative, so 1e-2 bounds one bf16 rounding."""
+    fast, plain, (args, out_shape) = CASES[case]
+    n_diff = 2 if fast is not kernels.attention else 3  # the mask is not differentiated
+    cotangent = jax.random.normal(jax.random.key(6), out_shape)
+
+    def pulled(f):
+        def run(*diff):
+            y, vjp = jax.vjp(lambda *d: f(*d, *args[n_diff:], dtype), *diff)
+            return (y, *vjp(cotangent))
+        return jax.jit(run)(*args[:n_diff])
+
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for a, b in zip(pulled(fast), pulled(plain), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype == jnp.float32
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol * scale, rtol=0)
+
+
+def test_transpose_is_a_plain_swap_of_the_last_two_axes():
+    x = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5)
+    np.testing.assert_array_equal(kernels.transpose(x), np.swapaxes(np.asarray(x), -1, -2))
+    np.testing.assert_array_equal(kernels.transpose(x[0]), np.asarray(x[0]).T)
+
+
+def _dot_operand_types(hlo: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) element types of every dot in an optimised HLO module's text."""
+    types, dots = {}, []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", line)
+        if m:
+            types[m.group(1)] = m.group(2)
+        d = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[^=]*\bdot\(%([\w.\-]+), %([\w.\-]+)\)",
+                     line)
+        if d:
+            dots.append((d.group(2), d.group(3), d.group(1)))
+    return [(types[a], types[b], out) for a, b, out in dots]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU layout contract")
+def test_bf16_train_matmuls_reach_the_cpu_library_as_bf16_with_float32_results():
+    """Every matmul of the bf16 forward+backward stays bf16 x bf16 -> f32 after XLA's
+    passes: a transposed operand or a bf16 result would make XLA:CPU upcast it to float32
+    (5x slower on AMX) or, for a folded result transpose, fail at run time."""
+    config = model_lib.preset("tiny", vocab_size=64, compute_dtype="bfloat16")
+    params = model_lib.init(config, jax.random.key(0))
+    inputs = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
+    mask = jnp.ones((4, 16), bool)
+    positions = jnp.tile(jnp.arange(0, 16, 4), (4, 1))
+
+    def loss(p):
+        hidden = model_lib.apply(p, config, inputs, mask, positions=positions)
+        return jnp.sum(model_lib.mlm_logits(p, config, hidden))
+
+    compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+    types = _dot_operand_types(compiled.as_text())
+    assert len(types) >= 20  # forward and backward matmuls of 2 layers and the head
+    assert set(types) == {("bf16", "bf16", "f32")}, sorted(set(types))
+    jax.block_until_ready(compiled(params))  # and it runs
