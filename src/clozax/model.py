@@ -3,6 +3,8 @@
 ``init(config, key) -> params``; ``apply(params, config, inputs, attention_mask, segments)``
 returns the final hidden states; ``gather`` picks the selected positions and ``mlm_logits`` runs
 the MLM head only there, so the vocabulary projection never sees unselected positions.
+``apply(..., positions=)`` returns the hidden states at the selected positions directly and
+computes the last block only there (what training uses).
 
 Axis names: ``batch`` sequences of ``seq`` positions, ``hidden`` features, ``heads`` attention
 heads of ``head_dim`` features, ``count`` selected slots per sequence, ``vocab`` token ids,
@@ -57,8 +59,10 @@ uses ``hidden_act="gelu"`` (exact erf), which is what is used here.
 Dtypes: parameters are always float32. With ``compute_dtype="bfloat16"`` matmul operands
 (activations and kernels) are cast to bfloat16 while the residual stream, LayerNorm statistics,
 GELU and the attention softmax stay float32 (both attention paths take their softmax
-in float32). ``apply`` returns float32 hidden states for either compute dtype; ``mlm_logits``
-returns float32 logits.
+in float32). On CPU every matmul accumulates and returns float32 (``clozax.kernels``, which
+XLA:CPU needs to run bf16 on its fast path); elsewhere dense results are in the compute dtype.
+``apply`` returns float32 hidden states for either compute dtype; ``mlm_logits`` returns
+float32 logits.
 """
 
 from __future__ import annotations
