@@ -58,6 +58,11 @@ LR, B1, B2, EPS, WD, CLIP = 1e-3, 0.9, 0.98, 1e-6, 0.01, 1.0  # clozax's OptimCo
 # ----------------------------------------------------------------------------- FLOPs
 
 
+def _layer_forward_flops_per_token(hidden: int, intermediate: int, seq: int) -> int:
+    """One encoder layer's forward matmul FLOPs per token: dense layers + attention."""
+    return 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden
+
+
 def useful_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: int, seq: int,
                           batch: int, selected: int) -> float:
     """Useful training FLOPs of one step (forward + backward = 3 x forward): the matmul work
@@ -73,9 +78,9 @@ def useful_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: in
     HF executes the full last layer and a dense head over all T (``executed_flops_per_step``).
     """
     tokens, sel = batch * seq, batch * selected
-    per_token = 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden
+    per_token = _layer_forward_flops_per_token(hidden, intermediate, seq)
     last_kv = 2 * 2 * hidden * hidden * tokens
-    last_rows = (2 * (2 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden) * sel
+    last_rows = (per_token - 2 * 2 * hidden * hidden) * sel  # all but the keys and values
     head = 2 * (hidden * hidden + hidden * vocab) * sel
     return float(3 * ((layers - 1) * per_token * tokens + last_kv + last_rows + head))
 
@@ -84,7 +89,7 @@ def executed_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: 
                             batch: int) -> float:
     """Training FLOPs of a full encoder and a head over every position (what HF executes)."""
     tokens = batch * seq
-    per_token = 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden
+    per_token = _layer_forward_flops_per_token(hidden, intermediate, seq)
     return float(3 * (layers * per_token + 2 * (hidden * hidden + hidden * vocab)) * tokens)
 
 

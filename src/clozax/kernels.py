@@ -34,27 +34,28 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def transpose(x: jax.Array) -> jax.Array:
-    """Swap the last two axes as a physical copy with row-major layout.
+def permute(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """``x.transpose(axes)`` as a physical copy with row-major layout.
 
-    A plain ``swapaxes`` reaches XLA as a layout-changing transpose that it folds into the
-    consuming dot, which is what the functions here must avoid. Going through a unit axis and a
-    rank change forces a copy. (..., m, n) -> (..., n, m).
+    A plain transpose reaches XLA as a layout change that it folds into the consuming dot,
+    which is what the functions here must avoid. Going through a unit axis and a rank change
+    forces a copy.
     """
-    *lead, m, n = x.shape
-    r = len(lead)
-    y = x.reshape(*lead, m, n, 1).transpose(*range(r), r + 2, r + 1, r)  # (..., 1, n, m)
-    return y.reshape(*lead, n, m)
+    first = next(i for i, a in enumerate(axes) if a != i)  # first axis that moves
+    order = (*axes[:first], x.ndim, *axes[first:])  # the unit axis just before the moved block
+    return x[..., None].transpose(order).reshape(tuple(x.shape[a] for a in axes))
+
+
+def transpose(x: jax.Array) -> jax.Array:
+    """Swap the last two axes, physically (``permute``). (..., m, n) -> (..., n, m)."""
+    r = x.ndim
+    return permute(x, (*range(r - 2), r - 1, r - 2))
 
 
 def swap_seq_heads(x: jax.Array) -> jax.Array:
-    """(batch, seq, heads, d) <-> (batch, heads, seq, d) as a physical row-major copy.
-
-    For the same reason as ``transpose``: a layout-changing transpose feeding a bf16 dot makes
-    XLA:CPU upcast that dot to float32.
-    """
-    b, s, n, d = x.shape
-    return x.reshape(b, s, n, d, 1).transpose(0, 2, 4, 1, 3).reshape(b, n, s, d)
+    """(batch, seq, heads, d) <-> (batch, heads, seq, d), physically (``permute``): a
+    layout-changing transpose feeding a bf16 dot makes XLA:CPU upcast that dot to float32."""
+    return permute(x, (0, 2, 1, 3))
 
 
 def _dot(a, b, dtype):
@@ -85,16 +86,19 @@ def _matmul_fwd(x, w, dtype):
     return jnp.dot(xc, wc, preferred_element_type=F32), (xc, wc)
 
 
+def _weight_grad(x2, dy2):
+    """x2^T @ dy2 for x2 (tokens, in), dy2 (tokens, out): the smaller one transposed. f32."""
+    if x2.shape[1] <= dy2.shape[1]:
+        return jnp.dot(transpose(x2), dy2, preferred_element_type=F32)  # (in, out)
+    return transpose(jnp.dot(transpose(dy2), x2, preferred_element_type=F32))  # (out, in)^T
+
+
 def _matmul_bwd(dtype, residuals, dy):
     xc, wc = residuals
     x2 = xc.reshape(-1, xc.shape[-1])  # (tokens, in)
     dy2 = dy.astype(dtype).reshape(-1, dy.shape[-1])  # (tokens, out)
     dx = jax.lax.dot_general(dy2, wc, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-    if x2.shape[1] <= dy2.shape[1]:
-        dw = jnp.dot(transpose(x2), dy2, preferred_element_type=F32)  # (in, out)
-    else:
-        dw = transpose(jnp.dot(transpose(dy2), x2, preferred_element_type=F32))  # (out, in)^T
-    return dx.reshape(xc.shape), dw
+    return dx.reshape(xc.shape), _weight_grad(x2, dy2)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -109,12 +113,7 @@ def plain_attention(q, k, v, mask, dtype):
     mask: bool, broadcastable to (batch, heads, q, k), True where a query may see a key.
     Scores, softmax and the context are float32; matmul operands are ``dtype``.
     """
-    qh, kh, vh = (t.astype(dtype).transpose(0, 2, 1, 3) for t in (q, k, v))  # (b, n, s, d)
-    scores = jnp.einsum("bnqd,bnkd->bnqk", qh, kh, preferred_element_type=F32)
-    scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(F32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # (b, n, q, k) float32
-    ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(dtype), vh, preferred_element_type=F32)
-    return ctx.transpose(0, 2, 1, 3)
+    return _attention_fwd(q, k, v, mask, dtype)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -180,7 +179,7 @@ def _decode_bwd(dtype, residuals, dlogits):
     h2 = hc.reshape(-1, hc.shape[-1])  # (rows, hidden)
     dl = dlogits.astype(dtype).reshape(-1, dlogits.shape[-1])  # (rows, vocab)
     dh = jnp.dot(dl, wc, preferred_element_type=F32)  # (rows, hidden)
-    dword = transpose(jnp.dot(transpose(h2), dl, preferred_element_type=F32))  # (vocab, hidden)
+    dword = transpose(_weight_grad(h2, dl))  # (vocab, hidden)
     return dh.reshape(hc.shape), dword
 
 

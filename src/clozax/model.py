@@ -253,6 +253,11 @@ def _layer_norm(x, p, eps):
     return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
 
 
+def _on_cpu() -> bool:
+    """XLA:CPU gets the layouts of ``clozax.kernels``; other backends keep the plain ops."""
+    return jax.default_backend() == "cpu"
+
+
 def _dense(x, p, dtype):
     """``x @ kernel + bias`` with matmul operands in the compute dtype.
 
@@ -260,7 +265,7 @@ def _dense(x, p, dtype):
     bf16 x bf16 -> f32, and its gradients are laid out for XLA:CPU); elsewhere it is the
     compute dtype, from ``jnp.dot``.
     """
-    if jax.default_backend() == "cpu":
+    if _on_cpu():
         return kernels.matmul(x.astype(jnp.float32), p["kernel"], dtype) + p["bias"]
     return jnp.dot(x.astype(dtype), p["kernel"].astype(dtype)) + p["bias"].astype(dtype)
 
@@ -303,7 +308,7 @@ def _attention(q, k, v, mask, impl: str = "auto", lengths=None, dtype=None):
     """
     dtype = q.dtype if dtype is None else dtype
     if impl == "auto":
-        impl = "einsum" if jax.default_backend() == "cpu" else "xla"
+        impl = "einsum" if _on_cpu() else "xla"
     if impl == "einsum":
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
         return kernels.attention(q, k, v, mask, dtype)
@@ -500,7 +505,7 @@ def mlm_logits(params: Params, config: ModelConfig, hidden_sel: jax.Array) -> ja
     h = _gelu(_dense(hidden_sel, head["transform"], dtype))
     h = _layer_norm(h, head["layer_norm"], config.layer_norm_eps)  # (batch, count, hidden)
     word = params["embeddings"]["word"]  # (vocab, hidden), contracted on hidden (no transpose)
-    decode = kernels.decode if jax.default_backend() == "cpu" else kernels.plain_decode
+    decode = kernels.decode if _on_cpu() else kernels.plain_decode
     return decode(h, word, dtype) + head["bias"]  # (batch, count, vocab) float32
 
 
