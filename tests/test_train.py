@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -178,6 +179,36 @@ def test_training_writes_metrics_with_eval_and_a_falling_loss(tiny_run):
     assert records[-1]["eval"]["loss"] < records[0]["eval"]["loss"]
     resolved = json.loads((tiny_run / "config.json").read_text())
     assert resolved["model"]["vocab_size"] == 1024
+
+
+def _tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` read back from a run's TensorBoard event files (TFRecords:
+    u64 length, u32 crc, an ``Event`` proto, u32 crc)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (length,) = struct.unpack_from("<Q", data, i)
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + length])
+            i += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_events_carry_the_logged_train_and_eval_scalars(tiny_run):
+    """With the ``tensorboard`` extra installed (the dev extra has it), the run directory's
+    event files hold the same loss, learning rate and held-out metrics as metrics.jsonl."""
+    records = [json.loads(x) for x in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    scalars = _tensorboard_scalars(tiny_run)
+    for r in records:
+        step = r["step"]
+        assert scalars["train/loss"][step] == pytest.approx(r["loss"], rel=1e-6)
+        assert scalars["train/lr"][step] == pytest.approx(r["lr"], rel=1e-6)
+        assert scalars["eval/loss"][step] == pytest.approx(r["eval"]["loss"], rel=1e-6)
+        assert scalars["eval/accuracy"][step] == pytest.approx(r["eval"]["accuracy"], rel=1e-6)
 
 
 def test_resume_refuses_a_different_config(tiny_run_copy, stdlib_data):
