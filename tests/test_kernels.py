@@ -85,6 +85,7 @@ def test_materialize_returns_its_input_even_when_the_first_element_is_not_finite
     np.testing.assert_array_equal(jax.jit(kernels.materialize)(y), y)
     z = jnp.array([1, 2], jnp.bfloat16)
     assert jax.jit(kernels.materialize)(z).dtype == jnp.bfloat16
+    assert kernels.materialize(jnp.zeros((0, 3))).shape == (0, 3)
 
 
 def _fused_transposes_with_arithmetic(hlo: str) -> list[str]:

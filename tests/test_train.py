@@ -84,19 +84,31 @@ from clozax import config as C, train as T
 from clozax.run import load_run
 data, out = sys.argv[1], sys.argv[2]
 res = {}
-for n in (1, 4):
+for name, n, fsdp in (("1", 1, "false"), ("4", 4, "false"), ("4fsdp", 4, "true")):
     cfg = C.resolve(preset="tiny", overrides=["train.batch_size=8", "train.steps=3",
         "train.eval_every=3", "train.save_every=3", "train.eval_rows=16",
-        f"train.devices={n}", "optim.warmup_steps=1"])
-    r = T.train(data, f"{out}/d{n}", cfg)
-    p = load_run(f"{out}/d{n}").params
-    res[n] = {"loss": r.final_loss, "params": [np.asarray(x).ravel().tolist()
-              for x in jax.tree.leaves(p)][:6], "eval": r.eval["loss"]}
-print(json.dumps({"devices": jax.device_count(), **{str(k): v for k, v in res.items()}}))
+        f"train.devices={n}", f"train.fsdp={fsdp}", "optim.warmup_steps=1"])
+    r = T.train(data, f"{out}/d{name}", cfg)
+    p = load_run(f"{out}/d{name}").params
+    word = r.state.params["embeddings"]["word"]
+    mu = r.state.opt_state[-1][0].mu["embeddings"]["word"]
+    res[name] = {"loss": r.final_loss, "params": [np.asarray(x).ravel().tolist()
+                 for x in jax.tree.leaves(p)][:6], "eval": r.eval["loss"],
+                 "word_shape": list(word.shape),
+                 "word_shards": [list(s.data.shape) for s in word.addressable_shards],
+                 "mu_shards": [list(s.data.shape) for s in mu.addressable_shards]}
+# Stopped after step 2 (checkpoints every step); the test resumes it on one device.
+cfg = C.resolve(preset="tiny", overrides=["train.batch_size=8", "train.steps=3",
+    "train.eval_every=3", "train.save_every=1", "train.eval_rows=16", "train.devices=4",
+    "train.fsdp=true", "optim.warmup_steps=1"])
+T.train(data, f"{out}/d4fsdp-stopped", cfg, stop_after=2)
+print(json.dumps({"devices": jax.device_count(), **res}))
 """
 
 
 def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp_path):
+    """Replicated or, with ``train.fsdp``, sharded parameters and AdamW moments: the same
+    run as on one device. The sharded run's checkpoint also loads in this 1-device process."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(stdlib_data),
@@ -104,14 +116,34 @@ def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["devices"] == 4
-    one, four = out["1"], out["4"]
-    assert four["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    assert four["eval"] == pytest.approx(one["eval"], rel=1e-5)
-    # Relative error of each parameter tensor (norm-wise): summation order differs across
-    # devices, and Adam's normalisation amplifies it for elements whose gradient is ~0.
-    for a, b in zip(one["params"], four["params"], strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+    one = out["1"]
+    for name in ("4", "4fsdp"):
+        four = out[name]
+        assert four["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert four["eval"] == pytest.approx(one["eval"], rel=1e-5)
+        # Relative error of each parameter tensor (norm-wise): summation order differs across
+        # devices, and Adam's normalisation amplifies it for elements whose gradient is ~0.
+        for a, b in zip(one["params"], four["params"], strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+    vocab, hidden = out["4"]["word_shape"]
+    assert out["4"]["word_shards"] == [[vocab, hidden]] * 4  # replicated
+    assert out["4fsdp"]["word_shards"] == [[vocab // 4, hidden]] * 4  # a quarter each
+    assert out["4fsdp"]["mu_shards"] == [[vocab // 4, hidden]] * 4
+    here = load_run(tmp_path / "d4fsdp").params
+    np.testing.assert_allclose(
+        np.asarray(jax.tree.leaves(here)[0]).ravel(), out["4fsdp"]["params"][0], rtol=0, atol=0
+    )
+    assert jax.tree.leaves(here)[0].sharding.num_devices == 1
+    # A sharded 4-device run stopped at step 2, resumed here on one device, replicated: the
+    # uninterrupted 1-device run.
+    cfg = _cfg("train.batch_size=8", "train.steps=3", "train.eval_every=3",
+               "train.eval_rows=16", "train.devices=1", "optim.warmup_steps=1")
+    resumed = train_lib.train(stdlib_data, tmp_path / "d4fsdp-stopped", cfg)
+    assert resumed.final_loss == pytest.approx(one["loss"], rel=1e-5)
+    params = [np.asarray(x).ravel() for x in jax.tree.leaves(resumed.state.params)][:6]
+    for a, b in zip(one["params"], params, strict=True):
+        assert np.linalg.norm(b - np.asarray(a)) <= 1e-5 * np.linalg.norm(a)
 
 
 def _train_cli(data, out, *extra):

@@ -83,6 +83,9 @@ class TrainConfig:
     # Speed-only settings: they never change the numbers (see SPEED_ONLY).
     microbatches: int = 1
     devices: int | None = None  # None: all local devices
+    # Shard parameters and optimiser state over the devices (ZeRO-3 / FSDP style) instead of
+    # replicating them: each array along its largest axis the device count divides.
+    fsdp: bool = False
     keep_checkpoints: int = 3
     log_every: int = 10
     prefetch: int = 2
@@ -99,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"train.devices={self.devices} must be >= 1")
         if self.eval_rows is not None and self.eval_rows < 1:
             raise ValueError(f"train.eval_rows={self.eval_rows} must be >= 1")
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"train.fsdp={self.fsdp!r} is not a bool; use true or false")
         if self.prefetch < 0:
             raise ValueError(f"train.prefetch={self.prefetch} must be >= 0")
         if self.batch_size % self.microbatches:
@@ -129,7 +134,8 @@ SECTIONS = {"model": ModelConfig, "masking": MaskingConfig, "optim": OptimConfig
             "train": TrainConfig}
 # Fields that change only speed or bookkeeping: a resume may change these.
 SPEED_ONLY = {
-    "train.microbatches", "train.devices", "train.keep_checkpoints", "train.log_every",
+    "train.microbatches", "train.devices", "train.fsdp", "train.keep_checkpoints",
+    "train.log_every",
     "train.prefetch", "train.save_every", "train.eval_every", "train.minutes",
     "model.attention",
 }

@@ -25,10 +25,11 @@ class TrainLog:
         self.console.print(message)
 
     def header(self, *, devices, platform, dtype, params, batch_tokens, steps, start,
-               microbatches) -> None:
+               microbatches, fsdp=False) -> None:
+        placement = "sharded (fsdp)" if fsdp and devices > 1 else "replicated"
         self.console.print(
             f"clozax train: {devices} {platform} device(s), compute {dtype}, "
-            f"{params / 1e6:.2f}M parameters, effective batch {batch_tokens} tokens "
+            f"{params / 1e6:.2f}M parameters {placement}, effective batch {batch_tokens} tokens "
             f"({microbatches} microbatch(es)), steps {start}->{steps}"
         )
 

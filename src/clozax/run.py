@@ -66,13 +66,20 @@ def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
 
 
 def abstract_state(config: config_lib.RunConfig):
-    """Shapes/dtypes of TrainState for ``config``, without allocating (for restore)."""
+    """Shapes/dtypes of TrainState for ``config``, without allocating (for restore).
+
+    Every array is placed whole on this process's first device, whatever the saving run's
+    layout was (replicated or ``train.fsdp``-sharded over other devices): orbax needs a target
+    sharding to restore onto a different topology.
+    """
     from clozax.train import TrainState, make_optimizer
 
     params = jax.eval_shape(lambda: model_lib.init(config.model, jax.random.key(0)))
     optimizer, _ = make_optimizer(config.optim, config.train.steps, params)
     opt_state = jax.eval_shape(optimizer.init, params)
-    return TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state)
+    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
 
 
 def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:

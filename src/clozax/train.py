@@ -291,6 +291,27 @@ def make_mesh(devices: int | None) -> Mesh:
     return Mesh(np.array(available[:n]), ("data",))
 
 
+def state_shardings(state, mesh: Mesh, fsdp: bool):
+    """Per-leaf ``NamedSharding`` of the train state over ``mesh``'s ``data`` axis.
+
+    Replicated by default. With ``fsdp`` every array is split over the devices along its
+    largest axis that the device count divides (the first such on ties); scalars and arrays
+    with no such axis stay replicated. ``jit`` then gathers parameters where the step needs
+    them whole and reduce-scatters the gradients, so each device keeps 1/n of the parameters
+    and of AdamW's moments.
+    """
+    n = mesh.devices.size
+
+    def sharding(x):
+        divisible = [a for a in range(x.ndim) if x.shape[a] % n == 0]
+        if not fsdp or n == 1 or not divisible:
+            return NamedSharding(mesh, P())
+        axis = max(divisible, key=lambda a: (x.shape[a], -a))
+        return NamedSharding(mesh, P(*([None] * axis), "data"))
+
+    return jax.tree.map(sharding, state)
+
+
 # --------------------------------------------------------------------------- the loop
 
 
@@ -366,11 +387,12 @@ def train(
         params = jax.tree.map(jnp.asarray, init_run.params)
     optimizer, schedule = make_optimizer(config.optim, config.train.steps, params)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    state = jax.device_put(state, replicated)
+    shardings = state_shardings(state, mesh, config.train.fsdp)
+    state = jax.device_put(state, shardings)
 
     def compile_step(optimizer, schedule):
         fn = make_train_step(config, vocab, seq_len, optimizer, schedule, mesh)
-        return jax.jit(fn, donate_argnums=0, out_shardings=(replicated, replicated))
+        return jax.jit(fn, donate_argnums=0, out_shardings=(shardings, replicated))
 
     step_fn = compile_step(optimizer, schedule)
 
@@ -442,7 +464,7 @@ def train(
     log.header(
         devices=n_devices, platform=jax.devices()[0].platform, dtype=config.model.compute_dtype,
         params=n_params, batch_tokens=config.train.batch_size * seq_len, steps=config.train.steps,
-        start=start, microbatches=config.train.microbatches,
+        start=start, microbatches=config.train.microbatches, fsdp=config.train.fsdp,
     )
 
     # --- loop
