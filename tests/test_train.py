@@ -305,6 +305,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(stdlib
         (["model.nonsense=1"], "valid model keys are"),
         (["trian.steps=1"], "unknown config section"),
         (["masking.unit=sentence"], "masking.unit"),
+        (["train.fsdp=1"], "train.fsdp=1 is not a bool"),
     ],
 )
 def test_impossible_configs_are_rejected_with_the_value(overrides, message):

@@ -135,9 +135,8 @@ SECTIONS = {"model": ModelConfig, "masking": MaskingConfig, "optim": OptimConfig
 # Fields that change only speed or bookkeeping: a resume may change these.
 SPEED_ONLY = {
     "train.microbatches", "train.devices", "train.fsdp", "train.keep_checkpoints",
-    "train.log_every",
-    "train.prefetch", "train.save_every", "train.eval_every", "train.minutes",
-    "model.attention",
+    "train.log_every", "train.prefetch", "train.save_every", "train.eval_every",
+    "train.minutes", "model.attention",
 }
 
 
