@@ -77,17 +77,19 @@ def test_a_mean_of_microbatch_means_would_differ_on_this_batch(stdlib_data):
     assert len(set(per_micro)) > 1
 
 
+# Three steps of the tiny preset, the same on every layout the device test compares.
+DEVICE_RUN = ["train.batch_size=8", "train.steps=3", "train.eval_every=3", "train.save_every=3",
+              "train.eval_rows=16", "optim.warmup_steps=1"]
+
 DEVICE_SCRIPT = r"""
 import json, sys
 import jax, numpy as np
 from clozax import config as C, train as T
 from clozax.run import load_run
-data, out = sys.argv[1], sys.argv[2]
+data, out, base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 res = {}
 for name, n, fsdp in (("1", 1, "false"), ("4", 4, "false"), ("4fsdp", 4, "true")):
-    cfg = C.resolve(preset="tiny", overrides=["train.batch_size=8", "train.steps=3",
-        "train.eval_every=3", "train.save_every=3", "train.eval_rows=16",
-        f"train.devices={n}", f"train.fsdp={fsdp}", "optim.warmup_steps=1"])
+    cfg = C.resolve(preset="tiny", overrides=[*base, f"train.devices={n}", f"train.fsdp={fsdp}"])
     r = T.train(data, f"{out}/d{name}", cfg)
     p = load_run(f"{out}/d{name}").params
     word = r.state.params["embeddings"]["word"]
@@ -98,12 +100,19 @@ for name, n, fsdp in (("1", 1, "false"), ("4", 4, "false"), ("4fsdp", 4, "true")
                  "word_shards": [list(s.data.shape) for s in word.addressable_shards],
                  "mu_shards": [list(s.data.shape) for s in mu.addressable_shards]}
 # Stopped after step 2 (checkpoints every step); the test resumes it on one device.
-cfg = C.resolve(preset="tiny", overrides=["train.batch_size=8", "train.steps=3",
-    "train.eval_every=3", "train.save_every=1", "train.eval_rows=16", "train.devices=4",
-    "train.fsdp=true", "optim.warmup_steps=1"])
+cfg = C.resolve(preset="tiny", overrides=[*base, "train.save_every=1", "train.devices=4",
+                                          "train.fsdp=true"])
 T.train(data, f"{out}/d4fsdp-stopped", cfg, stop_after=2)
 print(json.dumps({"devices": jax.device_count(), **res}))
 """
+
+
+def _assert_params_close(reference, other):
+    """Each parameter tensor within 1e-5 of the reference, norm-wise: summation order differs
+    across devices, and Adam's normalisation amplifies it for elements whose gradient is ~0."""
+    for a, b in zip(reference, other, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
 
 
 def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp_path):
@@ -112,20 +121,16 @@ def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(stdlib_data),
-                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT)
+                           str(tmp_path), json.dumps(DEVICE_RUN)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["devices"] == 4
     one = out["1"]
     for name in ("4", "4fsdp"):
-        four = out[name]
-        assert four["loss"] == pytest.approx(one["loss"], rel=1e-5)
-        assert four["eval"] == pytest.approx(one["eval"], rel=1e-5)
-        # Relative error of each parameter tensor (norm-wise): summation order differs across
-        # devices, and Adam's normalisation amplifies it for elements whose gradient is ~0.
-        for a, b in zip(one["params"], four["params"], strict=True):
-            a, b = np.asarray(a), np.asarray(b)
-            assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+        assert out[name]["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert out[name]["eval"] == pytest.approx(one["eval"], rel=1e-5)
+        _assert_params_close(one["params"], out[name]["params"])
     vocab, hidden = out["4"]["word_shape"]
     assert out["4"]["word_shards"] == [[vocab, hidden]] * 4  # replicated
     assert out["4fsdp"]["word_shards"] == [[vocab // 4, hidden]] * 4  # a quarter each
@@ -137,13 +142,11 @@ def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp
     assert jax.tree.leaves(here)[0].sharding.num_devices == 1
     # A sharded 4-device run stopped at step 2, resumed here on one device, replicated: the
     # uninterrupted 1-device run.
-    cfg = _cfg("train.batch_size=8", "train.steps=3", "train.eval_every=3",
-               "train.eval_rows=16", "train.devices=1", "optim.warmup_steps=1")
+    cfg = config_lib.resolve(preset="tiny", overrides=[*DEVICE_RUN, "train.devices=1"])
     resumed = train_lib.train(stdlib_data, tmp_path / "d4fsdp-stopped", cfg)
     assert resumed.final_loss == pytest.approx(one["loss"], rel=1e-5)
-    params = [np.asarray(x).ravel() for x in jax.tree.leaves(resumed.state.params)][:6]
-    for a, b in zip(one["params"], params, strict=True):
-        assert np.linalg.norm(b - np.asarray(a)) <= 1e-5 * np.linalg.norm(a)
+    _assert_params_close(one["params"], [np.asarray(x).ravel()
+                                         for x in jax.tree.leaves(resumed.state.params)][:6])
 
 
 def _train_cli(data, out, *extra):

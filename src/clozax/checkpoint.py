@@ -80,9 +80,11 @@ class Checkpointer:
         self.manager.close()
 
 
-def abstract_like(tree):
-    """ShapeDtypeStructs (with shardings) for restoring onto the same layout as ``tree``."""
+def abstract_like(tree, sharding=None):
+    """ShapeDtypeStructs for restoring onto the layout of ``tree`` (arrays or ShapeDtypeStructs),
+    or, given ``sharding``, onto that one for every leaf."""
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=sharding or getattr(x, "sharding", None)),
         tree,
     )

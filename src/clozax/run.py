@@ -78,8 +78,7 @@ def abstract_state(config: config_lib.RunConfig):
     optimizer, _ = make_optimizer(config.optim, config.train.steps, params)
     opt_state = jax.eval_shape(optimizer.init, params)
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
+    return ckpt.abstract_like(state, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
 
 
 def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
