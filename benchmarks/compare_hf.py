@@ -198,9 +198,11 @@ class ClozaxSide:
         import jax
         import jax.numpy as jnp
 
-        from clozax import config as C
-        from clozax import model as M
-        from clozax import train as T
+        from clozax.core import model as M
+        from clozax.core import pipeline
+        from clozax.core.vocab import Vocabulary
+        from clozax.train import config as C
+        from clozax.train import step as step_lib
 
         self.jax, self.rows, self.batch = jax, rows, shape["batch"]
         self.cfg = C.resolve(preset=shape["preset"], overrides=[
@@ -211,18 +213,18 @@ class ClozaxSide:
             f"optim.eps={EPS}", f"optim.weight_decay={WD}", f"optim.clip_norm={CLIP}",
             *overrides,
         ])
-        vocab = T.Vocabulary(shape["vocab"], rows.specials)
+        vocab = Vocabulary(shape["vocab"], rows.specials)
         seq = shape["seq"]
-        keys = T.Keys.from_seed(0)
+        keys = pipeline.Keys.from_seed(0)
         params = M.init(self.cfg.model, keys.init)
-        optimizer, schedule = T.make_optimizer(self.cfg.optim, 10_000, params)
-        self.state = T.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+        optimizer, schedule = pipeline.make_optimizer(self.cfg.optim, 10_000, params)
+        self.state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
         self.mask_key = keys.mask
         self.step_fn = jax.jit(
-            T.make_train_step(self.cfg, vocab, seq, optimizer, schedule), donate_argnums=0
+            step_lib.make_train_step(self.cfg, vocab, seq, optimizer, schedule), donate_argnums=0
         )
-        masker = T.make_masker(self.cfg.masking, vocab, seq)
-        loss_fn = T.make_loss(self.cfg.model)
+        masker = pipeline.make_masker(self.cfg.masking, vocab, seq)
+        loss_fn = step_lib.make_loss(self.cfg.model)
 
         def forward(params, batch, key):
             masked, sel = masker(key, batch)
@@ -231,7 +233,7 @@ class ClozaxSide:
                            sel.valid)[0]
 
         self.forward_fn = jax.jit(forward)
-        from clozax.masking import selection_count
+        from clozax.core.masking import selection_count
 
         self.count = selection_count(self.cfg.masking.rate, seq)
         self.data_seconds = 0.0
@@ -346,7 +348,7 @@ class HFSide:
 
 
 def _hf_dims(preset: str) -> dict:
-    from clozax.model import PRESETS
+    from clozax.core.model_config import PRESETS
 
     p = PRESETS[preset]
     return {k: p[k] for k in ("hidden", "layers", "heads", "intermediate")}
@@ -611,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps_per_block, args.blocks, args.warmup) < 1:
         parser.error("--steps-per-block, --blocks and --warmup must be >= 1")
 
-    from clozax import hostmem
+    from clozax.train import hostmem
 
     kept = hostmem.keep_freed_memory()  # before JAX is imported (a no-op unless "clozax")
 

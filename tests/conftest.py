@@ -35,8 +35,8 @@ def stdlib_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_run(stdlib_data, tmp_path_factory) -> Path:
     """A tiny-preset run trained for a few steps on ``stdlib_data`` (read-only: copy it)."""
-    from clozax import config as config_lib
-    from clozax import train as train_lib
+    from clozax.train import config as config_lib
+    from clozax.train import loop as train_lib
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
     cfg = config_lib.resolve(preset="tiny", overrides=TINY_OVERRIDES)

@@ -24,8 +24,10 @@ import numpy as np
 import optax
 import pytest
 
-from clozax import audit, masking
-from clozax.masking import Kind
+from clozax.core import masking
+from clozax.core.masking import Kind
+from clozax.core.vocab import Vocabulary
+from clozax.judge import audit
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=5", "train.batch_size=8", "train.eval_rows=32", "train.eval_every=5",
@@ -35,8 +37,8 @@ DEVICE_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import test_audit as t
-from clozax import audit
-from clozax.run import load_run
+from clozax.judge import audit
+from clozax.train.run_dir import load_run
 loaded = load_run({run!r})
 dataset = audit.open_dataset_for_audit({data!r})
 only = ["device_accumulation"]
@@ -59,7 +61,7 @@ class Tiny(NamedTuple):
 
 @pytest.fixture(scope="module")
 def tiny(request, tmp_path_factory):
-    from clozax.run import load_run
+    from clozax.train.run_dir import load_run
 
     # The shared session fixtures: a small prepared built-in corpus and a tiny run (copied,
     # since the audit writes audit.json into the run directory).
@@ -87,7 +89,7 @@ def failed(report: dict) -> set[str]:
 
 
 def vocab_of(dataset):
-    return audit.Vocabulary(dataset.vocab_size, dataset.specials)
+    return Vocabulary(dataset.vocab_size, dataset.specials)
 
 
 # --------------------------------------------------------------------------- planted faults
@@ -146,7 +148,8 @@ def part_mean_step(part: str, dataset):
     device (``part="device"``), then the mean of those means."""
     from jax.sharding import PartitionSpec as P
 
-    from clozax.train import TrainState, make_loss, make_masker
+    from clozax.core.pipeline import TrainState, make_masker
+    from clozax.train.step import make_loss
 
     vocab = vocab_of(dataset)
 

@@ -12,11 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from clozax import evaluate as ev
-from clozax import model as model_lib
+from clozax.core import model as model_lib
+from clozax.core.masking import KIND_NAMES
+from clozax.core.pipeline import Keys
 from clozax.data import open_dataset
-from clozax.run import load_run
-from clozax.train import Keys
+from clozax.judge import evaluate as ev
+from clozax.train import heldout
+from clozax.train.run_dir import load_run
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def _host_slots(params, model_config, split, masks):
 def _check_against_host(metrics, nll, rank, masks):
     for name, sel in (("all", masks.valid), *(
             (kind, masks.valid & (masks.kinds == int(k)))
-            for k, kind in ev.KIND_NAMES.items())):
+            for k, kind in KIND_NAMES.items())):
         m = metrics if name == "all" else metrics["by_kind"][name]
         assert m["count"] == int(sel.sum())
         assert m["nll_sum"] == pytest.approx(nll[sel].sum(), rel=1e-5)
@@ -64,11 +66,11 @@ def test_eval_sums_equal_a_host_recomputation_over_all_eval_masks(evaluated):
     run_dir, result = evaluated
     run = load_run(run_dir)
     split = open_dataset(run.info["dataset"]).heldout
-    masks, _ = ev.load_eval_masks(run_dir)
+    masks, _ = heldout.load_eval_masks(run_dir)
     nll, rank = _host_slots(run.params, run.config.model, split, masks)
     _check_against_host(result["trained"], nll, rank, masks)
     # The function training uses aggregates to the same numbers.
-    _check_against_host(ev.evaluate_masks(run.params, run.config.model, split, masks,
+    _check_against_host(heldout.evaluate_masks(run.params, run.config.model, split, masks,
                                           batch_size=16).metrics(), nll, rank, masks)
     # Random init is the run's own init key.
     init = model_lib.init(run.config.model, Keys.from_seed(run.config.train.seed).init)
@@ -84,7 +86,7 @@ def test_unigram_baseline_is_add_one_smoothed_train_frequencies(evaluated):
     counts = np.bincount(tokens, minlength=ds.vocab_size)
     counts[specials] = 0
     p = (counts + 1) / (counts.sum() + ds.vocab_size - len(specials))
-    masks, _ = ev.load_eval_masks(run_dir)
+    masks, _ = heldout.load_eval_masks(run_dir)
     targets = np.take_along_axis(np.asarray(ds.heldout.tokens[masks.rows], np.int64),
                                  masks.positions, axis=-1)[masks.valid]
     u = result["unigram"]
@@ -107,8 +109,8 @@ def test_evaluating_twice_gives_identical_numbers_and_files(evaluated):
 
 def test_eval_json_records_step_hash_schedule_and_corruption_transfer(evaluated):
     run_dir, result = evaluated
-    masks, meta = ev.load_eval_masks(run_dir)
-    assert result["eval_masks_sha256"] == meta["sha256"] == ev.eval_masks_sha256(masks)
+    masks, meta = heldout.load_eval_masks(run_dir)
+    assert result["eval_masks_sha256"] == meta["sha256"] == heldout.eval_masks_sha256(masks)
     assert result["step"] == result["checkpoint_step"] == load_run(run_dir).step
     assert result["schedule"]["selected"] == int(masks.valid.sum())
     transfer = result["transfer"]
@@ -128,7 +130,7 @@ def test_failures_are_the_lowest_probability_positions_with_marked_context(evalu
     assert probs == sorted(probs)
     run = load_run(run_dir)
     split = open_dataset(run.info["dataset"]).heldout
-    masks, _ = ev.load_eval_masks(run_dir)
+    masks, _ = heldout.load_eval_masks(run_dir)
     nll, _ = _host_slots(run.params, run.config.model, split, masks)
     assert probs[0] == pytest.approx(np.exp(-nll[masks.valid].max()), rel=1e-4)
     assert probs[-1] <= np.sort(np.exp(-nll[masks.valid]))[7] * (1 + 1e-4)

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from clozax import cli
-from clozax.fill import fill
-from clozax.run import load_run
+from clozax.judge.fill import fill
+from clozax.train.run_dir import load_run
 
 
 def test_fill_returns_k_sorted_probabilities_per_mask(tiny_run):

@@ -11,19 +11,21 @@ import pytest
 
 PROBE = r"""
 import json, resource
-from clozax import hostmem
+from clozax.train import hostmem
 applied = hostmem.keep_freed_memory()  # first, as clozax train does
 import jax, jax.numpy as jnp, numpy as np
-from clozax import config as C, model as M, train as T
+from clozax.core import model as M, pipeline
+from clozax.core.vocab import Vocabulary
+from clozax.train import config as C, step as step_lib
 
 # The small preset's train step at batch 16: XLA:CPU keeps ~360 MB of scratch per step.
 cfg = C.resolve(preset="small", overrides=["model.vocab_size=2048", "train.batch_size=16"])
-vocab = T.Vocabulary(2048, {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4})
-keys = T.Keys.from_seed(0)
+vocab = Vocabulary(2048, {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4})
+keys = pipeline.Keys.from_seed(0)
 params = M.init(cfg.model, keys.init)
-optimizer, schedule = T.make_optimizer(cfg.optim, 100, params)
-state = T.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-step = jax.jit(T.make_train_step(cfg, vocab, 128, optimizer, schedule), donate_argnums=0)
+optimizer, schedule = pipeline.make_optimizer(cfg.optim, 100, params)
+state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+step = jax.jit(step_lib.make_train_step(cfg, vocab, 128, optimizer, schedule), donate_argnums=0)
 rng = np.random.default_rng(0)
 batch = {"tokens": jnp.asarray(rng.integers(5, 2048, (16, 128)), jnp.int32),
          "segments": jnp.ones((16, 128), jnp.int32),
@@ -63,7 +65,7 @@ def test_importing_clozax_keeps_the_train_steps_scratch_mapped_between_steps():
 def test_keep_freed_memory_declines_once_jax_is_imported():
     import jax  # noqa: F401  (the rest of the suite has imported it anyway)
 
-    from clozax import hostmem
+    from clozax.train import hostmem
 
     hostmem._applied = None
     try:

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax import kernels
-from clozax import model as model_lib
+from clozax.core import kernels, model_config
+from clozax.core import model as model_lib
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 16, 2, 8
 
@@ -132,7 +132,7 @@ def test_bf16_train_matmuls_reach_the_cpu_library_as_bf16_with_float32_results()
     """Every matmul of the bf16 forward+backward stays bf16 x bf16 -> f32 after XLA's
     passes: a transposed operand or a bf16 result would make XLA:CPU upcast it to float32
     (5x slower on AMX) or, for a folded result transpose, fail at run time."""
-    config = model_lib.preset("tiny", vocab_size=64, compute_dtype="bfloat16")
+    config = model_config.preset("tiny", vocab_size=64, compute_dtype="bfloat16")
     params = model_lib.init(config, jax.random.key(0))
     inputs = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
     mask = jnp.ones((4, 16), bool)

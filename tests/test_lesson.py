@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax import lesson, objective
+from clozax import lesson
+from clozax.core import objective
 
 RECORDED = [
     "MLM initial/final/changed-mask: 1.0986123085021973 0.010633035562932491 "

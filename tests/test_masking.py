@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clozax import masking
-from clozax.masking import CorruptionPolicy, Kind
+from clozax.core import masking
+from clozax.core.masking import CorruptionPolicy, Kind
 
 VOCAB = 40
 SPECIALS = (0, 1, 2, 3, 4)  # pad, unk, cls, sep, mask

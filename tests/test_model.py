@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax import model
+from clozax.core import attention, model, model_config
 
 VOCAB = 97
 BATCH, SEQ, COUNT = 3, 16, 4
 LENGTHS = np.array([16, 11, 5])  # right-padded real lengths per sequence
 
 
-def _config(**overrides) -> model.ModelConfig:
-    return model.preset("tiny", vocab_size=VOCAB, **overrides)
+def _config(**overrides) -> model_config.ModelConfig:
+    return model_config.preset("tiny", vocab_size=VOCAB, **overrides)
 
 
 def _forward(config):
@@ -227,23 +227,23 @@ def test_decay_mask_is_true_exactly_for_dense_kernels(params):
 
 
 def test_base_preset_matches_bert_base_parameter_count():
-    config = model.preset("base", vocab_size=30522, layer_norm="post")
+    config = model_config.preset("base", vocab_size=30522, layer_norm="post")
     shapes = jax.eval_shape(lambda: model.init(config, jax.random.key(0)))
     count = model.param_count(shapes)
     # HF BertForMaskedLM(bert-base-uncased) has 109,514,298 parameters (no pooler);
     # clozax has no token-type embeddings (2 x 768 = 1,536 fewer).
     assert count == 109_514_298 - 2 * 768
     assert abs(count - 109.5e6) / 109.5e6 < 0.01
-    pre = model.preset("base", vocab_size=30522)
+    pre = model_config.preset("base", vocab_size=30522)
     pre_count = model.param_count(jax.eval_shape(lambda: model.init(pre, jax.random.key(0))))
     assert pre_count == count + 2 * 768  # the final encoder LayerNorm
 
 
 def test_presets_have_the_documented_shapes():
-    assert model.preset("small") == model.ModelConfig()
-    base = model.preset("base")
+    assert model_config.preset("small") == model_config.ModelConfig()
+    base = model_config.preset("base")
     assert (base.hidden, base.layers, base.heads, base.intermediate) == (768, 12, 12, 3072)
-    assert model.preset("tiny", heads=4).head_dim == 8
+    assert model_config.preset("tiny", heads=4).head_dim == 8
 
 
 @pytest.mark.parametrize(
@@ -267,9 +267,9 @@ def test_invalid_config_raises_value_error_naming_the_value(overrides, fragment)
 
 def test_unknown_preset_or_key_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown model preset 'huge'.*'base', 'small', 'tiny'"):
-        model.preset("huge")
+        model_config.preset("huge")
     with pytest.raises(ValueError, match=r"unknown model config key\(s\) \['hiden'\]"):
-        model.preset("tiny", hiden=64)
+        model_config.preset("tiny", hiden=64)
 
 
 def test_apply_rejects_bad_inputs_before_tracing(params, batch):
@@ -288,10 +288,10 @@ def test_apply_rejects_bad_inputs_before_tracing(params, batch):
 def test_head_major_attention_matches_dot_product_attention(batch, within_segments):
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(BATCH, SEQ, 2, 8)), jnp.float32) for _ in range(3))
-    mask = model._attention_mask(
+    mask = attention.visible(
         jnp.asarray(batch["mask"]), jnp.asarray(batch["segments"]), within_segments
     )
-    ours = model._attention(q, k, v, mask, "einsum")
+    ours = attention.attend(q, k, v, mask, "einsum")
     reference = jax.nn.dot_product_attention(q, k, v, mask=mask)
     assert ours.shape == reference.shape == (BATCH, SEQ, 2, 8)
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
@@ -341,13 +341,13 @@ def test_apply_at_positions_rejects_misshaped_positions(params, batch):
 ])
 def test_attention_choice_is_validated_with_the_fix_named(overrides, message):
     with pytest.raises(ValueError, match=message):
-        model.preset("tiny", **overrides)
+        model_config.preset("tiny", **overrides)
 
 
 def test_every_cpu_attention_choice_gives_the_same_hidden_states(batch):
-    config = model.preset("tiny", vocab_size=VOCAB)
+    config = model_config.preset("tiny", vocab_size=VOCAB)
     params = model.init(config, jax.random.key(0))
-    outs = [model.apply(params, model.preset("tiny", vocab_size=VOCAB, attention=a),
+    outs = [model.apply(params, model_config.preset("tiny", vocab_size=VOCAB, attention=a),
                         batch["inputs"], batch["mask"]) for a in ("auto", "einsum", "xla")]
     for out in outs[1:]:
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), rtol=1e-5, atol=1e-5)

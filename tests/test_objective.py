@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax import objective
+from clozax.core import objective
 
 
 def _fixture(seed=0, batch=8, seq=16, vocab=11):

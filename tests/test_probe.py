@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from clozax import probe as probe_lib
+from clozax.judge import probe as probe_lib
 
 FILLER = ("alpha beta gamma delta epsilon theta kappa lambda sigma omega river stone cloud "
           "light green house table water paper music").split()
@@ -35,9 +35,9 @@ def _corpus(path, groups_per_label=12, docs_per_group=6):
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """A prepared planted-task dataset and a tiny run trained on it for a few dozen steps."""
-    from clozax import config as config_lib
-    from clozax import train as train_lib
     from clozax.data import prepare
+    from clozax.train import config as config_lib
+    from clozax.train import loop as train_lib
 
     root = tmp_path_factory.mktemp("probe")
     records = _corpus(root / "corpus.jsonl")

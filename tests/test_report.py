@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -11,8 +12,10 @@ import tempfile
 import numpy as np
 import pytest
 
-from clozax import report as report_lib
-from clozax.evaluate import EvalMasks
+from clozax.judge import claims as claims_lib
+from clozax.judge import panel
+from clozax.report import page as report_lib
+from clozax.train.heldout import EvalMasks
 
 SECTIONS = ["Headline", "Training", "What the model predicts",
             "Held-out evaluation by corruption kind", "Downstream probe", "Failure cases",
@@ -66,7 +69,7 @@ def bare_report(tiny_run, tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_report(tiny_run, tmp_path_factory):
     """A report after a real `evaluate` plus probe/audit files of the real shape."""
-    from clozax.evaluate import evaluate_run
+    from clozax.judge.evaluate import evaluate_run
 
     run = tmp_path_factory.mktemp("full") / "run"
     shutil.copytree(tiny_run, run)
@@ -109,17 +112,17 @@ def test_report_is_self_contained_with_embedded_figures(bare_report):
 
 
 def test_probability_panel_shows_target_and_top_predictions(bare_report):
-    from clozax.run import load_run
+    from clozax.train.run_dir import load_run
 
     run, page = bare_report
-    examples = report_lib.probability_panel(load_run(run))
-    assert len(examples) == report_lib.PANEL_EXAMPLES
+    examples = panel.probability_panel(load_run(run))
+    assert len(examples) == panel.PANEL_EXAMPLES
     for x in examples:
-        assert len(x["top"]) == report_lib.PANEL_TOP
+        assert len(x["top"]) == panel.PANEL_TOP
         probs = [p for _, p in x["top"]]
         assert probs == sorted(probs, reverse=True) and 0 < probs[0] <= 1
         assert 0 < x["target_probability"] <= 1 and x["target_rank"] >= 0
-        if x["target_rank"] < report_lib.PANEL_TOP:  # the target is among the top predictions
+        if x["target_rank"] < panel.PANEL_TOP:  # the target is among the top predictions
             assert x["target_probability"] == pytest.approx(probs[x["target_rank"]], rel=1e-4)
         assert x["text"].count("⟦") == 1
     assert _section(page, "What the model predicts").count("<mark>") == len(examples)
@@ -133,8 +136,8 @@ def test_panel_positions_are_fixed_evenly_spaced_and_prefer_mask_slots():
     kinds[:, 2] = 1  # mask
     masks = EvalMasks(np.arange(rows), np.zeros((rows, 8), np.int32),
                       np.tile(np.arange(count), (rows, 1)), valid, kinds)
-    chosen = report_lib.panel_positions(masks, 5)
-    assert chosen == report_lib.panel_positions(masks, 5)
+    chosen = panel.panel_positions(masks, 5)
+    assert chosen == panel.panel_positions(masks, 5)
     assert [i for i, _ in chosen] == [5, 10, 14, 19]  # linspace(0, 19, 5) minus the empty row 0
     assert all(j == 2 for _, j in chosen)
 
@@ -159,15 +162,15 @@ def test_report_with_all_inputs_fills_every_table(full_report):
     info = json.loads((run / "run.json").read_text())
     masks_sha = json.loads((run / "eval_masks.json").read_text())["sha256"]
     for value in (info["dataset_fingerprint"], info["tokenizer_sha256"], masks_sha,
-                  "(file matches)", "(eval.json used this set)", "&quot;rate&quot;: 0.15"):
-        assert value in provenance
+                  "(file matches)", "(eval.json used this set)", '"rate": 0.15'):
+        assert value in html.unescape(provenance)
 
 
 def test_headline_claims_follow_the_measured_numbers(full_report):
     _, page, evaluation = full_report
     headline = _section(page, "Headline")
     assert "1/3 PASS" in headline  # the skip is not counted as a pass
-    results = {c["claim"]: c["holds"] for c in report_lib.claims(evaluation, PROBE, AUDIT)}
+    results = {c["claim"]: c["holds"] for c in claims_lib.claims(evaluation, PROBE, AUDIT)}
     assert results["probe: trained beats random init outside the 95 % CI"] is True
     assert results["audit passes"] is False
 
@@ -178,7 +181,7 @@ def test_claims_thresholds():
                 "random_init": {"accuracy": r}}
 
     def holds(evaluation, probe=None):
-        return [c["holds"] for c in report_lib.claims(evaluation, probe, None)]
+        return [c["holds"] for c in claims_lib.claims(evaluation, probe, None)]
 
     assert holds(ev(0.20, 0.10, 0.001)) == [True, True, None, None]
     assert holds(ev(0.19, 0.10, 0.001)) == [False, True, None, None]

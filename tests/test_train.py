@@ -16,13 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax import checkpoint as ckpt
-from clozax import config as config_lib
-from clozax import evaluate as eval_lib
-from clozax import train as train_lib
+from clozax.core import model_config, pipeline
+from clozax.core.vocab import Vocabulary
 from clozax.data import open_dataset
 from clozax.data.loader import batch_rows, host_batch
-from clozax.run import load_run
+from clozax.train import checkpoint as ckpt
+from clozax.train import config as config_lib
+from clozax.train import heldout as eval_lib
+from clozax.train import loop as train_lib
+from clozax.train import step as step_lib
+from clozax.train.run_dir import load_run
 from conftest import TINY_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +36,7 @@ def _cfg(*extra, preset="tiny"):
 
 
 def _vocab(ds):
-    return train_lib.Vocabulary(ds.vocab_size, ds.specials)
+    return Vocabulary(ds.vocab_size, ds.specials)
 
 
 def _flat(tree):
@@ -50,10 +53,10 @@ def test_microbatches_4_give_the_same_loss_and_gradients_as_1_for_unequal_counts
     results = {}
     for k in (1, 4):
         cfg = _cfg("train.batch_size=16", f"train.microbatches={k}")
-        cfg = cfg.replace(model=config_lib.ModelConfig(**{**cfg.model.__dict__,
+        cfg = cfg.replace(model=model_config.ModelConfig(**{**cfg.model.__dict__,
                                                           "vocab_size": ds.vocab_size}))
-        fn = jax.jit(train_lib.make_loss_and_grads(cfg, _vocab(ds), ds.seq_len))
-        from clozax import model as model_lib
+        fn = jax.jit(step_lib.make_loss_and_grads(cfg, _vocab(ds), ds.seq_len))
+        from clozax.core import model as model_lib
 
         params = model_lib.init(cfg.model, jax.random.key(0))
         total, count, grads = fn(params, batch, jax.random.key(5))
@@ -84,8 +87,8 @@ DEVICE_RUN = ["train.batch_size=8", "train.steps=3", "train.eval_every=3", "trai
 DEVICE_SCRIPT = r"""
 import json, sys
 import jax, numpy as np
-from clozax import config as C, train as T
-from clozax.run import load_run
+from clozax.train import config as C, loop as T
+from clozax.train.run_dir import load_run
 data, out, base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 res = {}
 for name, n, fsdp in (("1", 1, "false"), ("4", 4, "false"), ("4fsdp", 4, "true")):
@@ -197,7 +200,7 @@ def test_eval_masks_are_frozen_hashed_and_reproducible_from_the_eval_key(tiny_ru
     assert meta["sha256"] == eval_lib.eval_masks_sha256(masks)
     cfg = config_lib.load_json(tiny_run / "config.json")
     ds = open_dataset(stdlib_data)
-    masker = train_lib.make_masker(cfg.masking, _vocab(ds), ds.seq_len)
+    masker = pipeline.make_masker(cfg.masking, _vocab(ds), ds.seq_len)
     again = eval_lib.build_eval_masks(ds.heldout, masker, cfg.train.eval_seed,
                                       cfg.train.eval_rows)
     assert eval_lib.eval_masks_sha256(again) == meta["sha256"]
@@ -281,7 +284,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(stdlib
     out = tmp_path / "nan"
     cfg = _cfg("train.steps=4", "train.save_every=2", "train.eval_every=4")
     train_lib.train(stdlib_data, out, cfg, stop_after=2)
-    real = train_lib.make_loss
+    real = step_lib.make_loss
 
     def poisoned(model_config):
         loss_fn = real(model_config)
@@ -292,7 +295,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(stdlib
 
         return fn
 
-    monkeypatch.setattr(train_lib, "make_loss", poisoned)
+    monkeypatch.setattr(step_lib, "make_loss", poisoned)
     with pytest.raises(train_lib.TrainingDiverged, match="step 3.*last good checkpoint .step 2"):
         train_lib.train(stdlib_data, out, cfg)
     assert load_run(out).step == 2
@@ -373,9 +376,9 @@ def test_continued_pretraining_starts_from_the_other_runs_parameters(tiny_run, s
     train_lib.train(stdlib_data, out, cfg, init_from=tiny_run)
     assert json.loads((out / "run.json").read_text())["init_from"] == str(tiny_run.absolute())
     source, continued = _flat(load_run(tiny_run).params), _flat(load_run(out).params)
-    from clozax import model as model_lib
+    from clozax.core import model as model_lib
 
-    fresh = _flat(model_lib.init(load_run(out).config.model, train_lib.Keys.from_seed(1).init))
+    fresh = _flat(model_lib.init(load_run(out).config.model, pipeline.Keys.from_seed(1).init))
     # One AdamW step moves each weight by at most lr * (1 + weight_decay * |w|) (Adam's first
     # update m/sqrt(v) has magnitude <= 1); a fresh init is far away.
     optim = load_run(out).config.optim
@@ -386,12 +389,12 @@ def test_continued_pretraining_starts_from_the_other_runs_parameters(tiny_run, s
 
 def _trajectory(ds, cfg, steps=10):
     """Losses of ``steps`` train steps from the same init on the same batches."""
-    from clozax import model as model_lib
+    from clozax.core import model as model_lib
 
     params = model_lib.init(cfg.model, jax.random.key(0))
-    optimizer, schedule = train_lib.make_optimizer(cfg.optim, steps, params)
-    step = jax.jit(train_lib.make_train_step(cfg, _vocab(ds), ds.seq_len, optimizer, schedule))
-    state = train_lib.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    optimizer, schedule = pipeline.make_optimizer(cfg.optim, steps, params)
+    step = jax.jit(step_lib.make_train_step(cfg, _vocab(ds), ds.seq_len, optimizer, schedule))
+    state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     losses = []
     for i in range(steps):
         batch = host_batch(ds.train, batch_rows(3, i, ds.train.rows, 8))
@@ -403,7 +406,7 @@ def _trajectory(ds, cfg, steps=10):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_optimised_step_keeps_the_plain_steps_loss_trajectory(stdlib_data, monkeypatch, dtype):
     """The speed changes keep the numbers: the unrolled layer scan, the CPU-layout kernels
-    (``clozax.kernels``: dense, attention and decoder gradients) and the last block computed
+    (``clozax.core.kernels``: dense, attention and decoder gradients) and the last block computed
     only at the selected positions, against a rolled scan, ``jax.nn.dot_product_attention``,
     autodiff of the plain matmuls and a full last block.
 
@@ -412,12 +415,12 @@ def test_optimised_step_keeps_the_plain_steps_loss_trajectory(stdlib_data, monke
     incoming gradient to bf16 before its matmul (as torch autocast does) where autodiff
     multiplies it in float32: measured 6.6e-6, bound 5e-5.
     """
-    from clozax import kernels
-    from clozax import model as model_lib
+    from clozax.core import kernels
+    from clozax.core import model as model_lib
 
     ds = open_dataset(stdlib_data)
     cfg = _cfg(f"model.compute_dtype={dtype}")
-    cfg = cfg.replace(model=config_lib.ModelConfig(**{**cfg.model.__dict__,
+    cfg = cfg.replace(model=model_config.ModelConfig(**{**cfg.model.__dict__,
                                                       "vocab_size": ds.vocab_size}))
     optimised = _trajectory(ds, cfg)
     apply, gather = model_lib.apply, model_lib.gather
@@ -426,7 +429,7 @@ def test_optimised_step_keeps_the_plain_steps_loss_trajectory(stdlib_data, monke
         hidden = apply(*args, unroll=1, **kwargs)
         return hidden if positions is None else gather(hidden, positions)
 
-    cfg = cfg.replace(model=config_lib.ModelConfig(**{**cfg.model.__dict__, "attention": "xla"}))
+    cfg = cfg.replace(model=model_config.ModelConfig(**{**cfg.model.__dict__, "attention": "xla"}))
     monkeypatch.setattr(kernels, "matmul", kernels.plain_matmul)
     monkeypatch.setattr(kernels, "decode", kernels.plain_decode)
     monkeypatch.setattr(model_lib, "apply", plain_apply)

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
-from clozax import hostmem
+from clozax.train import hostmem
 
 app = typer.Typer(
     name="clozax",
@@ -131,15 +131,16 @@ def train(
 ):
     """Pretrain an encoder with masked language modelling on a prepared dataset."""
     hostmem.keep_freed_memory()  # before JAX starts: see clozax.hostmem
-    from clozax import config as config_lib
-    from clozax import train as train_lib
+    from clozax.train import config as config_lib
+    from clozax.train import loop as train_lib
+    from clozax.train.run_dir import CONFIG_FILE
 
     overrides = list(set_ or [])
     for name, value in (("steps", steps), ("minutes", minutes), ("save_every", save_every),
                         ("eval_every", eval_every)):
         if value is not None:
             overrides.append(f"train.{name}={value}")
-    if resume and not (out / train_lib.CONFIG_FILE).is_file():
+    if resume and not (out / CONFIG_FILE).is_file():
         raise ValueError(f"--resume given but {out} is not a clozax run; drop --resume to start")
     resolved = config_lib.resolve(config, preset, overrides)
     result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from)
@@ -206,7 +207,7 @@ def audit(
     ] = 200,
 ):
     """Check the objective's invariants on a run (or a dataset); exit 1 if any check fails."""
-    from clozax import audit as audit_lib
+    from clozax.judge import audit as audit_lib
 
     if run is None and data is None:
         raise ValueError("pass a run directory (clozax audit RUN) or --data DIR for data-only "
@@ -240,7 +241,7 @@ def evaluate(
     """Held-out metrics on the run's frozen eval masks vs unigram and random-init baselines."""
     from rich.console import Console
 
-    from clozax import evaluate as evaluate_lib
+    from clozax.judge import evaluate as evaluate_lib
 
     result = evaluate_lib.evaluate_run(run, mask_seed=mask_seed, failures=failures,
                                        batch_size=batch_size)
@@ -266,7 +267,7 @@ def probe(
     """Linear probe: trained vs random-init encoder vs TF-IDF, split by group, with 95% CIs."""
     from rich.console import Console
 
-    from clozax import probe as probe_lib
+    from clozax.judge import probe as probe_lib
 
     result = probe_lib.probe_run(run, task=task, seed=seed)
     console = Console()
@@ -286,7 +287,7 @@ def fill(
 
     from rich.console import Console
 
-    from clozax import fill as fill_lib
+    from clozax.judge import fill as fill_lib
 
     results = fill_lib.fill(run, text, top_k=top_k)
     if json_:
@@ -300,7 +301,7 @@ def report(
     run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
 ):
     """Write RUN/report.html (self-contained) and its figures in RUN/report/."""
-    from clozax import report as report_lib
+    from clozax.report import page as report_lib
 
     print(report_lib.write_report(run))
 

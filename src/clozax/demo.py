@@ -13,6 +13,17 @@ import json
 import time
 from pathlib import Path
 
+from rich.console import Console
+
+from clozax.data import prepare
+from clozax.judge import audit as audit_lib
+from clozax.judge import evaluate as evaluate_lib
+from clozax.judge import probe as probe_lib
+from clozax.judge.claims import claims
+from clozax.report import page as report_lib
+from clozax.train import config as config_lib
+from clozax.train import loop as train_lib
+
 # The demo's training budget: the small preset (4 layers x 256, batch 32 x 128 tokens) for
 # DEMO_STEPS steps at masking rate DEMO_MASK_RATE, about 8 minutes of training on this 2-core
 # CPU machine (about 5,100 tokens/s when otherwise idle: 600 x 4096 tokens ~ 480 s).
@@ -47,8 +58,6 @@ def _manifest_settings(manifest: dict) -> dict:
 
 def prepare_data(data_dir: Path, settings: dict, say) -> Path:
     """Prepare the built-in corpus into ``data_dir``, or reuse it if it has ``settings``."""
-    from clozax.data import prepare
-
     manifest_path = data_dir / "manifest.json"
     if manifest_path.is_file():
         found = _manifest_settings(json.loads(manifest_path.read_text(encoding="utf-8")))
@@ -86,16 +95,7 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
              quick: bool = False) -> dict:
     """Run (or continue) the demo in ``out``; print the headline and return a summary dict:
     ``report`` (path), ``run``, ``data``, ``step``, ``seconds`` per stage, ``eval``/``probe``/
-    ``audit`` headline numbers and ``claims`` (see ``clozax.report.claims``)."""
-    from rich.console import Console
-
-    from clozax import audit as audit_lib
-    from clozax import config as config_lib
-    from clozax import evaluate as evaluate_lib
-    from clozax import probe as probe_lib
-    from clozax import report as report_lib
-    from clozax import train as train_lib
-
+    ``audit`` headline numbers and ``claims`` (see ``clozax.judge.claims``)."""
     steps = steps if steps is not None else (QUICK_STEPS if quick else DEMO_STEPS)
     if steps < 1:
         raise ValueError(f"--steps {steps} must be >= 1")
@@ -157,8 +157,6 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
 
 
 def _summary(report_path, run_dir, data_dir, step, seconds, evaluation, probe, audit) -> dict:
-    from clozax.report import claims
-
     res = probe["results"]
     checks = audit.get("checks", [])
     return {

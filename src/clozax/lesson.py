@@ -8,7 +8,6 @@ This proves the mechanism only: repetition can be solved without any language.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clozax import masking, objective
+from clozax.core import files, masking, objective
+from clozax.report import figures
 
 TOKENS = [[0, 0, 0, 0], [1, 1, 1, 1], [2, 2, 2, 2]]
 MASK_ID = 3
@@ -226,8 +226,6 @@ def run_lesson() -> LessonResult:
 
 def write_outputs(result: LessonResult, out: Path) -> list[Path]:
     """Write lesson.json and the two figures; return the written paths."""
-    from clozax import figures
-
     out.mkdir(parents=True, exist_ok=True)
     record = {
         "loss_history": result.history,
@@ -244,7 +242,7 @@ def write_outputs(result: LessonResult, out: Path) -> list[Path]:
         "jax_version": jax.__version__,
     }
     paths = [out / "lesson.json", out / "lesson_loss.png", out / "lesson_probabilities.png"]
-    paths[0].write_text(json.dumps(record, indent=2) + "\n")
+    files.write_json(paths[0], record)
     figures.line_plot(
         paths[1],
         {"training loss (selected positions)": (list(range(len(result.history))), result.history)},

@@ -3,9 +3,8 @@
 from clozax.data.dataset import FORMAT_VERSION, Dataset, Split, open_dataset
 from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN
 from clozax.data.prepare import PrepareConfig, prepare
-from clozax.data.tokenizer import SPECIAL_NAMES, SPECIAL_TOKENS
 
 __all__ = [
-    "FORMAT_VERSION", "MAX_SEQ_LEN", "MIN_SEQ_LEN", "SPECIAL_NAMES", "SPECIAL_TOKENS",
-    "Dataset", "PrepareConfig", "Split", "open_dataset", "prepare",
+    "FORMAT_VERSION", "MAX_SEQ_LEN", "MIN_SEQ_LEN", "Dataset", "PrepareConfig", "Split",
+    "open_dataset", "prepare",
 ]

@@ -25,9 +25,10 @@ from typing import IO
 
 import numpy as np
 
+from clozax.core.vocab import SPECIAL_NAMES
 from clozax.data.packing import PackedRow
 from clozax.data.split import SPLITS
-from clozax.data.tokenizer import SPECIAL_NAMES, file_sha256
+from clozax.data.tokenizer import file_sha256
 
 FORMAT_VERSION = 1
 ARRAYS = ("tokens", "segments", "word_starts")

@@ -103,3 +103,16 @@ class Prefetcher:
                 self._queue.get_nowait()
         except queue.Empty:
             pass
+
+
+def padded_batches(n: int, batch_size: int, take) -> Iterator[tuple[np.ndarray, list]]:
+    """Indices ``0..n-1`` in batches of ``batch_size``; ``take(idx)`` returns that batch's
+    arrays, zero-padded here to ``batch_size`` rows so that every batch has one shape (one
+    compilation). Yields ``(idx, arrays)``; rows past ``idx.size`` are padding."""
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, min(start + batch_size, n))
+        arrays = take(idx)
+        pad = batch_size - idx.size
+        if pad:
+            arrays = [np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) for a in arrays]
+        yield idx, arrays

@@ -28,20 +28,21 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 import clozax
+from clozax.core import files
+from clozax.core.files import remove_stale_partials, staged_dir
+from clozax.core.vocab import SPECIAL_NAMES
 from clozax.data.corpus import Accounting, clean
 from clozax.data.dataset import FORMAT_VERSION, SplitWriter, token_dtype
 from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, BestFitPacker, chunk_document
 from clozax.data.readers import FieldNames, Record, read_corpus
 from clozax.data.split import HELDOUT, SPLITS, TRAIN, assign_split, group_key
 from clozax.data.tokenizer import (
-    SPECIAL_NAMES,
     TOKENIZER_MODELS,
     file_sha256,
     find_specials,
     load_tokenizer,
     train_tokenizer,
 )
-from clozax.staging import remove_stale_partials, staged_dir
 
 ENCODE_BATCH = 1024  # documents per encode_batch call; speed only
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
@@ -207,8 +208,7 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "seed": config.seed,
         "corpus_fingerprint": corpus_hash.hexdigest(),
     }
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n",
-                                       encoding="utf-8")
+    files.write_json(tmp / "manifest.json", manifest)
     return manifest
 
 

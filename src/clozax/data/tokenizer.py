@@ -24,9 +24,8 @@ from tokenizers import (
     trainers,
 )
 
-SPECIAL_NAMES = ("pad", "unk", "cls", "sep", "mask")
-SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]",
-                  "mask": "[MASK]"}
+from clozax.core.vocab import SPECIAL_NAMES, SPECIAL_TOKENS
+
 TOKENIZER_MODELS = ("bpe", "wordpiece")
 _WORD_MARK = "\u2581"  # ▁
 

@@ -1,231 +1,50 @@
-"""Pretraining: on-device corruption, sparse prediction, token-weighted accumulation, exact resume.
+"""Pretraining: the loop, top to bottom, with exact resume.
 
-The step (``make_train_step``) is pure and jitted: ``(state, batch) -> (state, metrics)``.
-Inside it the batch is corrupted with ``fold_in(mask_key, step)``, the vocabulary head runs only
-at the static number of selected slots, and the loss numerator and selected count are summed over
-microbatches (and, through the global-array semantics of ``jit`` over a device mesh, over
-devices) before one division. ``train`` is the loop, top to bottom.
+``train`` reads the dataset, builds (or restores) the train state, and runs the jitted step
+(``clozax.train.step``) over batches that are pure functions of the step number, evaluating on
+the frozen held-out set (``clozax.train.heldout``) and checkpointing (``clozax.train.checkpoint``)
+on their cadences.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clozax import __version__, masking
-from clozax import checkpoint as ckpt
-from clozax import config as config_lib
-from clozax import evaluate as eval_lib
-from clozax import model as model_lib
-from clozax.config import MaskingConfig, OptimConfig, RunConfig
-from clozax.data import open_dataset
+from clozax.core import files
+from clozax.core import model as model_lib
+from clozax.core.pipeline import (
+    Keys,
+    TrainState,
+    init_params,
+    make_masker,
+    make_optimizer,
+    new_state,
+)
+from clozax.core.vocab import Vocabulary
+from clozax.data.dataset import open_dataset
 from clozax.data.loader import Prefetcher, batch_rows, host_batch
-from clozax.objective import masked_nll
-from clozax.observe import TrainLog
-
-CONFIG_FILE = "config.json"
-RUN_FILE = "run.json"
-
-
-class TrainState(NamedTuple):
-    step: jax.Array  # () int32: completed updates
-    params: dict
-    opt_state: optax.OptState
-
-
-class Keys(NamedTuple):
-    """Named keys, split once from ``train.seed``; per-step keys come from ``fold_in``."""
-
-    init: jax.Array
-    data: int  # numpy seed for the row permutation
-    mask: jax.Array
-
-    @staticmethod
-    def from_seed(seed: int) -> Keys:
-        init_key, data_key, mask_key = jax.random.split(jax.random.key(seed), 3)
-        data_seed = int(jax.random.randint(data_key, (), 0, 2**31 - 1))
-        return Keys(init_key, data_seed, mask_key)
+from clozax.train import checkpoint as ckpt
+from clozax.train import config as config_lib
+from clozax.train import heldout
+from clozax.train.config import RunConfig
+from clozax.train.mesh import make_mesh, state_shardings
+from clozax.train.observe import TrainLog
+from clozax.train.run_dir import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE, load_run, write_run_files
+from clozax.train.step import make_train_step
 
 
 class TrainingDiverged(ValueError):
     """A non-finite loss or gradient norm; the last good checkpoint is kept."""
-
-
-# --------------------------------------------------------------------------- pieces
-
-
-def make_optimizer(optim: OptimConfig, steps: int, params) -> tuple:
-    """AdamW (no decay on biases, LayerNorm, embeddings), warm-up then decay, clipping."""
-    warmup = min(optim.warmup_steps, max(steps - 1, 0))
-    end = optim.learning_rate * optim.end_lr_fraction
-    decay_steps = max(steps - warmup, 1)
-    if optim.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(optim.learning_rate, decay_steps,
-                                            alpha=optim.end_lr_fraction)
-    else:
-        decay = optax.linear_schedule(optim.learning_rate, end, decay_steps)
-    if warmup > 0:
-        warm = optax.linear_schedule(0.0, optim.learning_rate, warmup)
-        schedule = optax.join_schedules([warm, decay], [warmup])
-    else:
-        schedule = decay
-    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
-    parts.append(
-        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                    weight_decay=optim.weight_decay, mask=model_lib.decay_mask(params))
-    )
-    return optax.chain(*parts), schedule
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """What masking needs from the frozen tokenizer."""
-
-    size: int
-    specials: dict  # name -> id
-
-    @property
-    def special_ids(self) -> tuple[int, ...]:
-        return tuple(sorted(set(int(v) for v in self.specials.values())))
-
-    def special_table(self) -> np.ndarray:
-        """(vocab,) bool, True at special ids: ``~table[tokens]`` marks non-special tokens."""
-        table = np.zeros(self.size, bool)
-        table[list(self.special_ids)] = True
-        return table
-
-
-def make_masker(masking_config: MaskingConfig, vocab: Vocabulary, seq_len: int):
-    """``(key, batch) -> (MaskedBatch, Selection)``, jittable, static selected count.
-
-    Eligible positions: real tokens (segment > 0) that are not special ids.
-    """
-    count = masking.selection_count(masking_config.rate, seq_len)
-    special_table = jnp.asarray(vocab.special_table())
-    random_ids = jnp.asarray(masking.allowed_random_ids(vocab.size, vocab.special_ids))
-    policy = masking_config.policy
-    mask_id = int(vocab.specials["mask"])
-
-    def masker(key, batch):
-        tokens, segments = batch["tokens"], batch["segments"]
-        eligible = ~special_table[tokens] & (segments > 0)  # (batch, seq)
-        select_key, corrupt_key = jax.random.split(key)
-        if masking_config.unit == "word":
-            selection = masking.select_words(select_key, eligible, batch["word_starts"], count)
-        else:
-            selection = masking.select_fixed(select_key, eligible, count)
-        selected = masking.selection_mask(selection, tokens.shape[1])
-        masked = masking.corrupt(corrupt_key, tokens, selected, policy, mask_id, random_ids)
-        return masked, selection
-
-    return masker
-
-
-def make_loss(model_config):
-    """``(params, *micro) -> (sum, (sum, count))`` on one microbatch; the head runs sparsely.
-
-    The gradient taken is that of the *sum*; the caller divides summed gradients by the summed
-    count once.
-    """
-
-    def loss_fn(params, inputs, segments, positions, targets, valid):
-        hidden_sel = model_lib.apply(params, model_config, inputs, segments > 0, segments,
-                                     positions=positions)  # (batch, count, hidden)
-        logits = model_lib.mlm_logits(params, model_config, hidden_sel)
-        total, count = masked_nll(logits, targets, valid)  # logits: (batch, count, vocab)
-        return total, (total, count)  # differentiate the numerator; carry the count
-
-    return loss_fn
-
-
-def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
-                        mesh: Mesh | None = None):
-    """``(params, batch, step_key) -> (sum, count, grad_sum)`` over the whole global batch.
-
-    The batch is corrupted once with ``step_key``; the microbatches (``train.microbatches``)
-    only split the forward/backward work, so they cannot change the masks. Numerators,
-    counts and gradient numerators are summed; nothing is divided here.
-    """
-    masker = make_masker(config.masking, vocab, seq_len)
-    loss_fn = make_loss(config.model)
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-    k = config.train.microbatches
-    micro_sharding = NamedSharding(mesh, P(None, "data")) if mesh is not None else None
-
-    def split_micro(x):
-        # Microbatch j takes rows j, j+k, j+2k, ...: every microbatch spans every device.
-        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
-        if micro_sharding is not None:
-            x = jax.lax.with_sharding_constraint(x, micro_sharding)
-        return x
-
-    def loss_and_grads(params, batch: dict, step_key):
-        masked, selection = masker(step_key, batch)
-        targets = jnp.take_along_axis(batch["tokens"], selection.positions, axis=-1)
-        micro = (masked.inputs, batch["segments"], selection.positions, targets, selection.valid)
-        if k == 1:
-            grad_sum, (total, count) = grad_fn(params, *micro)
-            return total, count, grad_sum
-
-        def body(carry, mb):
-            g_acc, s_acc, c_acc = carry
-            g, (s, c) = grad_fn(params, *mb)
-            return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, c_acc + c), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        (grad_sum, total, count), _ = jax.lax.scan(body, init, tuple(map(split_micro, micro)))
-        return total, count, grad_sum
-
-    return loss_and_grads
-
-
-def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimizer, schedule,
-                    mesh: Mesh | None = None):
-    """The pure train step ``(state, batch, mask_key) -> (state, metrics)`` (not yet jitted)."""
-    loss_and_grads = make_loss_and_grads(config, vocab, seq_len, mesh)
-
-    def step(state: TrainState, batch: dict, mask_key):
-        total, count, grad_sum = loss_and_grads(
-            state.params, batch, jax.random.fold_in(mask_key, state.step)
-        )
-        # One division, after every microbatch and device has contributed. Every row has an
-        # eligible token (checked on the host), so count >= batch; the guard only avoids a NaN.
-        denom = jnp.maximum(count, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g: g / denom, grad_sum)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": total / denom,
-            "loss_sum": total,
-            "selected": count,
-            "grad_norm": optax.tree.norm(grads),
-            "lr": schedule(state.step),
-        }
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    return step
-
-
-# --------------------------------------------------------------------------- run directory
-
-
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
 
 
 def check_compatible(run_dir: Path, config: RunConfig, dataset) -> RunConfig:
@@ -280,38 +99,6 @@ def validate_run(config: RunConfig, dataset, n_devices: int) -> None:
         )
 
 
-def make_mesh(devices: int | None) -> Mesh:
-    available = jax.local_devices()
-    n = len(available) if devices is None else devices
-    if n > len(available):
-        raise ValueError(
-            f"train.devices={n} but only {len(available)} device(s) are visible; lower it "
-            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)"
-        )
-    return Mesh(np.array(available[:n]), ("data",))
-
-
-def state_shardings(state, mesh: Mesh, fsdp: bool):
-    """Per-leaf ``NamedSharding`` of the train state over ``mesh``'s ``data`` axis.
-
-    Replicated by default. With ``fsdp`` every array is split over the devices along its
-    largest axis that the device count divides (the first such on ties); scalars and arrays
-    with no such axis stay replicated. ``jit`` then gathers parameters where the step needs
-    them whole and reduce-scatters the gradients, so each device keeps 1/n of the parameters
-    and of AdamW's moments.
-    """
-    n = mesh.devices.size
-
-    def sharding(x):
-        divisible = [a for a in range(x.ndim) if x.shape[a] % n == 0]
-        if not fsdp or n == 1 or not divisible:
-            return NamedSharding(mesh, P())
-        axis = max(divisible, key=lambda a: (x.shape[a], -a))
-        return NamedSharding(mesh, P(*([None] * axis), "data"))
-
-    return jax.tree.map(sharding, state)
-
-
 # --------------------------------------------------------------------------- the loop
 
 
@@ -356,8 +143,6 @@ def train(
     existing = (run_dir / CONFIG_FILE).is_file()
     init_run = None
     if init_from is not None and not existing:
-        from clozax.run import load_run
-
         init_run = load_run(init_from)
         if init_run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
             raise ValueError(
@@ -382,11 +167,11 @@ def train(
     log = TrainLog(run_dir, console=console)
 
     # --- init
-    params = model_lib.init(config.model, keys.init)
+    params = init_params(config.model, config.train.seed)
     if init_run is not None:
         params = jax.tree.map(jnp.asarray, init_run.params)
     optimizer, schedule = make_optimizer(config.optim, config.train.steps, params)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    state = new_state(params, optimizer)
     shardings = state_shardings(state, mesh, config.train.fsdp)
     state = jax.device_put(state, shardings)
 
@@ -421,10 +206,7 @@ def train(
     # --- run directory and frozen eval masks
     run_dir.mkdir(parents=True, exist_ok=True)
     if not existing:
-        _write_json(run_dir / CONFIG_FILE, config.to_dict())
-        _write_json(run_dir / RUN_FILE, {
-            "clozax_version": __version__,
-            "jax_version": jax.__version__,
+        write_run_files(run_dir, config, {
             "dataset": str(Path(data_dir).absolute()),
             "dataset_fingerprint": dataset.fingerprint,
             "tokenizer_sha256": dataset.tokenizer_sha256,
@@ -434,17 +216,17 @@ def train(
             "eval_seed": config.train.eval_seed,
             "init_from": str(Path(init_from).absolute()) if init_from else None,
         })
-        shutil.copyfile(dataset.tokenizer_path, run_dir / "tokenizer.json")
+        files.write_bytes(run_dir / TOKENIZER_FILE, dataset.tokenizer_path.read_bytes())
     masker = make_masker(config.masking, vocab, seq_len)
-    masks_exist = (run_dir / eval_lib.EVAL_MASKS_FILE).is_file()
+    masks_exist = (run_dir / heldout.EVAL_MASKS_FILE).is_file()
     if masks_exist:
-        eval_masks, _ = eval_lib.load_eval_masks(run_dir)
+        eval_masks, _ = heldout.load_eval_masks(run_dir)
     else:
-        eval_masks = eval_lib.build_eval_masks(
+        eval_masks = heldout.build_eval_masks(
             dataset.heldout, masker, config.train.eval_seed, config.train.eval_rows
         )
-        eval_lib.save_eval_masks(run_dir, eval_masks, config.train.eval_seed)
-    eval_fn = eval_lib.make_eval_fn(config.model)
+        heldout.save_eval_masks(run_dir, eval_masks, config.train.eval_seed)
+    eval_fn = heldout.make_eval_fn(config.model)
 
     # --- restore
     checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
@@ -454,7 +236,7 @@ def train(
         if start >= config.train.steps:
             checkpointer.close()
             log.info(f"run {run_dir} already completed {start} steps; nothing to do")
-            last = eval_lib.evaluate_masks(
+            last = heldout.evaluate_masks(
                 state.params, config.model, dataset.heldout, eval_masks, eval_fn=eval_fn
             ).metrics()
             return TrainResult(run_dir, start, math.nan, last, state)
@@ -501,7 +283,7 @@ def train(
                 }
                 t_last, steps_since = now, 0
             if step % config.train.eval_every == 0 or step == config.train.steps:
-                last_eval = eval_lib.evaluate_masks(
+                last_eval = heldout.evaluate_masks(
                     state.params, config.model, dataset.heldout, eval_masks, eval_fn=eval_fn
                 ).metrics()
                 record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}

@@ -1,7 +1,9 @@
-"""Small matplotlib helpers shared by the lesson and the report (headless, Agg backend)."""
+"""Figures (headless, Agg backend): small matplotlib helpers shared by the lesson and the
+report, and the report's own figures."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -10,6 +12,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from clozax.judge.claims import pct  # noqa: E402
 
 
 def line_plot(
@@ -116,3 +120,53 @@ def token_panel(
     fig.savefig(path)
     plt.close(fig)
     return Path(path)
+
+
+def token_label(text: str) -> str:
+    """A token's text for a figure or table cell: stripped, newlines shown as ⏎."""
+    return text.strip().replace("\n", "⏎") or repr(text)
+
+
+def report_figures(fig_dir: Path, curves: dict, evaluation: dict | None, panel: list[dict] | None,
+             vocab_size: int) -> dict[str, Path]:
+    """The report's PNGs in ``fig_dir``: loss curves, held-out accuracy, probability panel
+    (each only when its data exists). Returns {"loss"|"accuracy"|"panel": path}."""
+    fig_dir.mkdir(exist_ok=True)
+    out = {}
+    if curves["train_tokens"].size or curves["eval_tokens"].size:
+        series = {}
+        if curves["train_tokens"].size:
+            series["training loss (batch)"] = (curves["train_tokens"], curves["train_loss"])
+        if curves["eval_tokens"].size:
+            series["held-out loss (frozen masks)"] = (curves["eval_tokens"], curves["eval_loss"])
+        hlines = {f"uniform ln V = {math.log(vocab_size):.2f}": math.log(vocab_size)}
+        if evaluation is not None:
+            hlines[f"unigram held-out = {evaluation['unigram']['loss']:.2f}"] = \
+                evaluation["unigram"]["loss"]
+        out["loss"] = line_plot(
+            fig_dir / "loss.png", series, xlabel="tokens seen", ylabel="cross-entropy (nats)",
+            title="Masked-token loss", hlines=hlines)
+    if curves["eval_tokens"].size:
+        hlines = {}
+        if evaluation is not None:
+            hlines = {f"unigram = {pct(evaluation['unigram']['accuracy'])}":
+                      evaluation["unigram"]["accuracy"],
+                      f"random init = {pct(evaluation['random_init']['accuracy'])}":
+                      evaluation["random_init"]["accuracy"]}
+        out["accuracy"] = line_plot(
+            fig_dir / "accuracy.png",
+            {"trained (held-out, frozen masks)": (curves["eval_tokens"],
+                                                  curves["eval_accuracy"])},
+            xlabel="tokens seen", ylabel="masked-token accuracy (top-1)",
+            title="Held-out accuracy", hlines=hlines)
+    if panel:
+        probs = [[e["target_probability"]] + [p for _, p in e["top"]] for e in panel]
+        labels = [[token_label(e["target"])] + [token_label(t) for t, _ in e["top"]]
+                  for e in panel]
+        rows = [f"“{token_label(e['target'])}” (row {e['row']}, pos {e['position']})"
+                for e in panel]
+        columns = ["target"] + [f"top {k + 1}" for k in range(len(panel[0]["top"]))]
+        out["panel"] = token_panel(
+            fig_dir / "probabilities.png", probs, labels, rows=rows, columns=columns,
+            title="Trained model on held-out positions: target and top predictions")
+    return out

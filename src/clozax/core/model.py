@@ -16,50 +16,15 @@ Architecture: token embeddings + learned absolute positions (0..seq-1) -> embedd
 (``x = LN(x + attn(x)); x = LN(x + mlp(x))``); ``layer_norm="pre"`` is RoBERTa-PreLayerNorm
 (``x = x + attn(LN(x)); x = x + mlp(LN(x))``, then a final LayerNorm after the last block).
 
-Parameter layout and the Hugging Face tensor each leaf maps to (``i`` indexes the leading
-``layers`` axis). Kernels are stored ``(in, out)``; HF ``nn.Linear`` weights are ``(out, in)``,
-so export transposes them. ``B`` is ``bert.`` for ``BertForMaskedLM`` (post-LN) and
-``roberta_prelayernorm.`` for ``RobertaPreLayerNormForMaskedLM`` (pre-LN).
-
-====================================  ===================  ====================================
-clozax leaf                           shape                HF tensor (post-LN / pre-LN)
-====================================  ===================  ====================================
-embeddings.word                       (vocab, hidden)      B embeddings.word_embeddings.weight
-                                                           (also the tied decoder weight)
-embeddings.position                   (max_pos, hidden)    B embeddings.position_embeddings
-                                                           .weight (pre-LN: row p -> p+pad+1)
-embeddings.layer_norm.{scale,bias}    (hidden,)            B embeddings.LayerNorm.{weight,bias}
-layers.attention.query.kernel         (layers, hid, hid)   B encoder.layer.i.attention.self
-                                                           .query.weight (transposed)
-layers.attention.query.bias           (layers, hidden)     ... .attention.self.query.bias
-layers.attention.{key,value}.*        as query             ... .attention.self.{key,value}.*
-layers.attention.output.kernel/bias   (layers, hid, hid)   ... .attention.output.dense.*
-layers.attention_norm.{scale,bias}    (layers, hidden)     post: .attention.output.LayerNorm.*
-                                                           pre:  .attention.LayerNorm.*
-layers.intermediate.kernel/bias       (layers, hid, int)   ... .intermediate.dense.*
-layers.output.kernel/bias             (layers, int, hid)   ... .output.dense.*
-layers.mlp_norm.{scale,bias}          (layers, hidden)     post: .output.LayerNorm.*
-                                                           pre:  .intermediate.LayerNorm.*
-final_norm.{scale,bias} (pre-LN only) (hidden,)            roberta_prelayernorm.LayerNorm.*
-head.transform.kernel/bias            (hid, hid)           cls.predictions.transform.dense.*
-                                                           / lm_head.dense.*
-head.layer_norm.{scale,bias}          (hidden,)            cls.predictions.transform.LayerNorm.*
-                                                           / lm_head.layer_norm.*
-head.bias                             (vocab,)             cls.predictions.bias / lm_head.bias
-====================================  ===================  ====================================
-
-There are no token-type embeddings: on export ``token_type_embeddings.weight`` is written as
-zeros (type_vocab_size 1 or 2); on import row 0 is folded into every position embedding row,
-which is exact because HF uses token type 0 unless told otherwise. RoBERTa-PreLayerNorm derives
-position ids from ``input_ids != pad_token_id`` starting at ``pad_token_id + 1``, so row p
-here is HF row ``p + pad_id + 1``, its table has ``max_positions + pad_id + 1`` rows, and
-parity holds for right-padded batches. HF BERT
-uses ``hidden_act="gelu"`` (exact erf), which is what is used here.
+Parameters are nested dicts (see ``init``); per-block leaves are stacked on a leading
+``layers`` axis and kernels are stored ``(in, out)``. ``clozax.interop.families`` maps
+every leaf to its Hugging Face tensor. Attention itself (masks and implementations) is in
+``clozax.core.attention``; the CPU matmul kernels are in ``clozax.core.kernels``.
 
 Dtypes: parameters are always float32. With ``compute_dtype="bfloat16"`` matmul operands
 (activations and kernels) are cast to bfloat16 while the residual stream, LayerNorm statistics,
 GELU and the attention softmax stay float32 (both attention paths take their softmax
-in float32). On CPU every matmul accumulates and returns float32 (``clozax.kernels``, which
+in float32). On CPU every matmul accumulates and returns float32 (``clozax.core.kernels``, which
 XLA:CPU needs to run bf16 on its fast path); elsewhere dense results are in the compute dtype.
 ``apply`` returns float32 hidden states for either compute dtype; ``mlm_logits`` returns
 float32 logits.
@@ -68,122 +33,16 @@ float32 logits.
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass, fields
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from clozax import kernels
+from clozax.core import attention as attention_lib
+from clozax.core import kernels
+from clozax.core.model_config import ModelConfig
 
 Params = dict[str, Any]
-
-LAYER_NORMS = ("pre", "post")
-COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "einsum", "xla", "cudnn")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Encoder shape and numerics. Hashable, so it can be a static argument of ``jax.jit``."""
-
-    vocab_size: int = 8192
-    hidden: int = 256
-    layers: int = 4
-    heads: int = 4
-    intermediate: int = 1024
-    max_positions: int = 512
-    layer_norm: str = "pre"  # "pre" (RobertaPreLayerNorm layout) or "post" (original BERT)
-    attention_within_segments: bool = False  # keep attention inside each packed document
-    compute_dtype: str = "float32"  # or "bfloat16"; parameters are always float32
-    # Speed-only: how attention is computed (see ``_attention``); every choice is the same math.
-    attention: str = "auto"
-    layer_norm_eps: float = 1e-12
-    init_std: float = 0.02
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_positions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(
-                    f"model.{name}={value!r} is not a positive integer; give a whole number >= 1"
-                )
-        if self.hidden % self.heads:
-            raise ValueError(
-                f"model.heads={self.heads} does not divide model.hidden={self.hidden}; "
-                "choose heads that divide hidden"
-            )
-        if self.layer_norm not in LAYER_NORMS:
-            raise ValueError(
-                f"model.layer_norm={self.layer_norm!r} is not one of {LAYER_NORMS}; use 'pre' "
-                "(RoBERTa-PreLayerNorm, stable at high learning rates) or 'post' (original BERT)"
-            )
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
-                f"model.compute_dtype={self.compute_dtype!r} is not one of {COMPUTE_DTYPES}; "
-                "use 'float32' or 'bfloat16' (parameters stay float32 either way)"
-            )
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"model.attention={self.attention!r} is not one of {ATTENTION_IMPLS}; use 'auto' "
-                "(einsum on CPU, XLA's dot_product_attention elsewhere), or name one"
-            )
-        if self.attention == "cudnn" and self.attention_within_segments:
-            raise ValueError(
-                "model.attention='cudnn' takes per-row lengths and cannot keep attention inside "
-                "packed documents; set model.attention_within_segments=false or use 'xla'"
-            )
-        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
-            raise ValueError(
-                "model.attention='cudnn' runs cuDNN's fused kernel, which needs "
-                "model.compute_dtype='bfloat16'; set it, or use model.attention='xla'"
-            )
-        if not isinstance(self.attention_within_segments, bool):
-            raise ValueError(
-                f"model.attention_within_segments={self.attention_within_segments!r} is not a "
-                "bool; use true or false"
-            )
-        for name in ("layer_norm_eps", "init_std"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(
-                    f"model.{name}={value!r} is not a finite positive number; "
-                    f"use e.g. {getattr(ModelConfig, name)}"
-                )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def dtype(self):
-        """The compute dtype as a jnp dtype."""
-        return jnp.dtype(self.compute_dtype)
-
-
-# Only the shape fields; numerics and options keep their defaults unless overridden.
-PRESETS: dict[str, dict] = {
-    "tiny": {"hidden": 32, "layers": 2, "heads": 2, "intermediate": 64, "max_positions": 128},
-    "small": {"hidden": 256, "layers": 4, "heads": 4, "intermediate": 1024, "max_positions": 512},
-    "base": {"hidden": 768, "layers": 12, "heads": 12, "intermediate": 3072, "max_positions": 512},
-}
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-    """The ``ModelConfig`` of preset ``name`` with ``overrides`` applied (e.g. ``vocab_size``)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    valid = [f.name for f in fields(ModelConfig)]
-    unknown = sorted(set(overrides) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown model config key(s) {unknown}; valid keys are {valid}")
-    return ModelConfig(**{**PRESETS[name], **overrides})
 
 
 # ----------------------------------------------------------------------------- init
@@ -253,11 +112,6 @@ def _layer_norm(x, p, eps):
     return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
 
 
-def _on_cpu() -> bool:
-    """XLA:CPU gets the layouts of ``clozax.kernels``; other backends keep the plain ops."""
-    return jax.default_backend() == "cpu"
-
-
 def _dense(x, p, dtype):
     """``x @ kernel + bias`` with matmul operands in the compute dtype.
 
@@ -265,7 +119,7 @@ def _dense(x, p, dtype):
     bf16 x bf16 -> f32, and its gradients are laid out for XLA:CPU); elsewhere it is the
     compute dtype, from ``jnp.dot``.
     """
-    if _on_cpu():
+    if kernels.on_cpu():
         return kernels.matmul(x.astype(jnp.float32), p["kernel"], dtype) + p["bias"]
     return jnp.dot(x.astype(dtype), p["kernel"].astype(dtype)) + p["bias"].astype(dtype)
 
@@ -275,59 +129,13 @@ def _gelu(x):
     return jax.nn.gelu(x.astype(jnp.float32), approximate=False)
 
 
-def _attention_mask(attention_mask, segments, within_segments):
-    """Boolean mask broadcastable to (batch, heads, q, k): True where a query may see a key."""
-    key_real = attention_mask[:, None, None, :]  # (batch, 1, 1, seq)
-    if not within_segments:
-        return key_real
-    same = segments[:, :, None] == segments[:, None, :]  # (batch, seq, seq)
-    return same[:, None, :, :] & key_real  # (batch, 1, seq, seq)
-
-
-def _rows_mask(mask, rows):
-    """``mask`` (batch, 1, q or 1, k) restricted to query positions ``rows`` (batch, count)."""
-    if mask.shape[2] == 1:
-        return mask
-    return jnp.take_along_axis(mask, rows[:, None, :, None], axis=2)  # (batch, 1, count, k)
-
-
-def _attention(q, k, v, mask, impl: str = "auto", lengths=None, dtype=None):
-    """Scaled dot-product attention. q, k, v: (batch, seq, heads, head_dim); same out.
-
-    ``dtype`` is the compute dtype of the matmul operands (default: q's). ``impl``
-    (``model.attention``) chooses how, never what:
-
-    - ``einsum`` (``auto`` on CPU): ``kernels.attention``, explicit batched matmuls in
-      (batch, heads, seq, head_dim) layout with a hand-written backward that XLA:CPU runs in
-      YNNPACK (see ``clozax.kernels``). Scores and softmax in float32; returns float32.
-    - ``xla`` (``auto`` elsewhere): ``jax.nn.dot_product_attention`` with the boolean mask.
-    - ``cudnn``: cuDNN's fused flash-attention kernel on NVIDIA GPUs, given per-row
-      ``lengths`` (batch,) instead of a boolean mask (JAX issues #23349, #28974: a boolean
-      mask forces a slower path). Valid when padding is a suffix of every row, which clozax's
-      packing guarantees (``apply`` derives the lengths from ``attention_mask``).
-    """
-    dtype = q.dtype if dtype is None else dtype
-    if impl == "auto":
-        impl = "einsum" if _on_cpu() else "xla"
-    if impl == "einsum":
-        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
-        return kernels.attention(q, k, v, mask, dtype)
-    q, k, v = (t.astype(dtype) for t in (q, k, v))
-    if impl == "xla":
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
-    # Queries at selected rows only (``apply(positions=)``) are all real.
-    q_lengths = lengths if q.shape[1] == k.shape[1] else jnp.full_like(lengths, q.shape[1])
-    return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=q_lengths,
-                                        key_value_seq_lengths=lengths, implementation="cudnn")
-
-
 def _block(x, p, mask, lengths, config: ModelConfig, rows=None):
     """One residual block. x: (batch, seq, hidden) float32 residual stream.
 
     With ``rows`` (batch, count) int, only those query positions are computed: keys and values
     still come from every position, and the block returns (batch, count, hidden), equal to
     the full block's output gathered at ``rows``. ``mask`` must then already be the rows'
-    (``_rows_mask``). The last block of ``apply(..., positions=)`` runs this way.
+    (``attention.rows_mask``). The last block of ``apply(..., positions=)`` runs this way.
     """
     c = config
     dtype, eps, pre = c.dtype, c.layer_norm_eps, c.layer_norm == "pre"
@@ -345,7 +153,7 @@ def _block(x, p, mask, lengths, config: ModelConfig, rows=None):
         k, v = kv[:, :, 0], kv[:, :, 1]  # (batch, seq, heads, head_dim)
         x, h = gather(x, rows), gather(h, rows)  # (batch, count, hidden)
         q = _dense(h, q_part, dtype).reshape(batch, -1, c.heads, c.head_dim)
-    ctx = _attention(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, heads, head_dim)
+    ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, heads, hd)
     attn = _dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
     x = x + attn.astype(jnp.float32)
     if not pre:
@@ -452,7 +260,7 @@ def apply(
     c = config
     seq = inputs.shape[1]
     attention_mask = attention_mask.astype(jnp.bool_)
-    mask = _attention_mask(attention_mask, segments, c.attention_within_segments)
+    mask = attention_lib.visible(attention_mask, segments, c.attention_within_segments)
     lengths = (jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # (batch,)
                if c.attention == "cudnn" else None)
 
@@ -477,7 +285,7 @@ def apply(
             first = jax.tree_util.tree_map(lambda a: a[:-1], layers)
             x, _ = jax.lax.scan(step, x, first, unroll=unroll)
         last = jax.tree_util.tree_map(lambda a: a[-1], layers)
-        x = _block(x, last, _rows_mask(mask, positions), lengths, c, rows=positions)
+        x = _block(x, last, attention_lib.rows_mask(mask, positions), lengths, c, rows=positions)
     if c.layer_norm == "pre":
         x = _layer_norm(x, params["final_norm"], c.layer_norm_eps)
     return x
@@ -505,8 +313,20 @@ def mlm_logits(params: Params, config: ModelConfig, hidden_sel: jax.Array) -> ja
     h = _gelu(_dense(hidden_sel, head["transform"], dtype))
     h = _layer_norm(h, head["layer_norm"], config.layer_norm_eps)  # (batch, count, hidden)
     word = params["embeddings"]["word"]  # (vocab, hidden), contracted on hidden (no transpose)
-    decode = kernels.decode if _on_cpu() else kernels.plain_decode
+    decode = kernels.decode if kernels.on_cpu() else kernels.plain_decode
     return decode(h, word, dtype) + head["bias"]  # (batch, count, vocab) float32
+
+
+def logits_at(params: Params, config: ModelConfig, inputs: jax.Array, segments: jax.Array,
+              positions: jax.Array) -> jax.Array:
+    """The full forward, then the MLM head at ``positions``: the forward every judge uses.
+
+    inputs, segments: (batch, seq) int, segment 0 = padding (``segments > 0`` is the attention
+    mask); positions: (batch, count) int. Returns (batch, count, vocab) float32.
+    """
+    segments = jnp.asarray(segments)
+    hidden = apply(params, config, inputs, segments > 0, segments)  # (batch, seq, hidden)
+    return mlm_logits(params, config, gather(hidden, positions))
 
 
 def decay_mask(params: Params) -> Params:

@@ -12,7 +12,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from clozax import model as model_lib
+from clozax.core import model as model_lib
+from clozax.data.tokenizer import load_tokenizer
+from clozax.judge.failures import token_text
+from clozax.train.run_dir import load_run
 
 MASK_TEXT = "[MASK]"
 
@@ -36,10 +39,6 @@ def encode(tokenizer, specials: dict[str, int], text: str, max_positions: int) -
 def fill(run_dir: Path, text: str, top_k: int = 5) -> list[dict]:
     """For each ``[MASK]`` in ``text`` (in order): its token position and the ``top_k``
     predictions as ``{"token", "id", "probability"}``, most probable first."""
-    from clozax.data.tokenizer import load_tokenizer
-    from clozax.evaluate import token_text
-    from clozax.run import load_run
-
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k={top_k!r} must be a positive integer")
     run = load_run(Path(run_dir))
@@ -54,9 +53,8 @@ def fill(run_dir: Path, text: str, top_k: int = 5) -> list[dict]:
 
     @jax.jit
     def predict(params, inputs, positions):
-        mask = np.ones(inputs.shape, bool)
-        hidden = model_lib.apply(params, cfg, inputs, mask, mask.astype(np.int32))
-        logits = model_lib.mlm_logits(params, cfg, model_lib.gather(hidden, positions))
+        segments = np.ones(inputs.shape, np.int32)  # one document, no padding
+        logits = model_lib.logits_at(params, cfg, inputs, segments, positions)
         return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # (1, masks, k)
 
     probs, top_ids = predict(run.params, ids[None], positions[None])

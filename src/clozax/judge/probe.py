@@ -33,7 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clozax import model as model_lib
+from clozax.core import files
+from clozax.core import model as model_lib
+from clozax.core.pipeline import init_params
+from clozax.data.tokenizer import load_tokenizer
+from clozax.train.run_dir import load_run, open_run_dataset
 
 PROBE_FILE = "probe.json"
 MIN_EXAMPLES = 30
@@ -271,10 +275,6 @@ def probe_run(run_dir: Path, *, task: Path | None = None, seed: int = 0,
     ``probe.json`` in the run directory and return its content."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    from clozax.data.tokenizer import load_tokenizer
-    from clozax.evaluate import open_run_dataset, random_init_params
-    from clozax.run import load_run
-
     if max_per_class < MIN_EXAMPLES:
         raise ValueError(f"max_per_class={max_per_class} is below {MIN_EXAMPLES}; raise it")
     started = time.perf_counter()
@@ -299,7 +299,7 @@ def probe_run(run_dir: Path, *, task: Path | None = None, seed: int = 0,
     resamples = rng.integers(0, test.size, size=(BOOTSTRAP_RESAMPLES, test.size))
     correct_of = {}
     for name, params in (("trained", run.params),
-                         ("random_init", random_init_params(run.config))):
+                         ("random_init", init_params(run.config.model, run.config.train.seed))):
         feats = np.zeros((len(probe_task.label), run.config.model.hidden))
         feats[used] = encoder_features(params, pool_fn, [probe_task.ids[i] for i in used], pad,
                                        run.config.model.max_positions)
@@ -339,9 +339,7 @@ def probe_run(run_dir: Path, *, task: Path | None = None, seed: int = 0,
                                       "ci95": bootstrap_ci(diff, resamples)},
         "seconds": round(time.perf_counter() - started, 2),
     }
-    tmp = run_dir / (PROBE_FILE + ".tmp")
-    tmp.write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(run_dir / PROBE_FILE)
+    files.write_json(run_dir / PROBE_FILE, out)
     return out
 
 

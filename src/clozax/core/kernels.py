@@ -38,6 +38,11 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
+def on_cpu() -> bool:
+    """XLA:CPU gets the layouts of ``clozax.core.kernels``; other backends keep the plain ops."""
+    return jax.default_backend() == "cpu"
+
+
 def permute(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """``x.transpose(axes)`` as a physical copy with row-major layout.
 

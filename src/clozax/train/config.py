@@ -18,8 +18,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clozax.masking import CorruptionPolicy, validate_rate
-from clozax.model import PRESETS, ModelConfig
+from clozax.core.masking import CorruptionPolicy, validate_rate
+from clozax.core.model_config import PRESETS, ModelConfig
 
 MAX_MASK_RATE = 0.5  # Wettig et al. found up to 0.4 useful for large models
 

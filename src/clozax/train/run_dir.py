@@ -1,4 +1,5 @@
-"""Reading a run directory: its resolved config, provenance and a checkpoint's parameters.
+"""The run directory: writing a new run's files, and reading its config, provenance and a
+checkpoint's parameters.
 
 A run directory (written by ``clozax train`` or ``clozax import-hf``) holds:
 ``config.json`` (resolved RunConfig), ``run.json`` (provenance: dataset path and fingerprint,
@@ -16,9 +17,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from clozax import checkpoint as ckpt
-from clozax import config as config_lib
-from clozax import model as model_lib
+from clozax import __version__
+from clozax.core import files
+from clozax.core import model as model_lib
+from clozax.core.pipeline import TrainState, make_optimizer
+from clozax.data.dataset import Dataset, open_dataset
+from clozax.train import checkpoint as ckpt
+from clozax.train import config as config_lib
+
+CONFIG_FILE = "config.json"
+RUN_FILE = "run.json"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass
@@ -31,7 +40,7 @@ class LoadedRun:
 
     @property
     def tokenizer_path(self) -> Path:
-        return self.path / "tokenizer.json"
+        return self.path / TOKENIZER_FILE
 
     @property
     def specials(self) -> dict[str, int]:
@@ -47,11 +56,20 @@ class LoadedRun:
             )
 
 
+def write_run_files(run_dir: Path, config: config_lib.RunConfig, info: dict) -> None:
+    """``config.json`` (the resolved config) and ``run.json`` (``info`` plus the versions that
+    wrote it), each atomically, for a new run (trained or imported)."""
+    files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
+    files.write_json(run_dir / RUN_FILE, {"clozax_version": __version__,
+                                          "jax_version": jax.__version__, **info},
+                     sort_keys=True)
+
+
 def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist; train one with `clozax train`")
-    cfg_path, info_path = run_dir / "config.json", run_dir / "run.json"
+    cfg_path, info_path = run_dir / CONFIG_FILE, run_dir / RUN_FILE
     if not cfg_path.is_file() or not info_path.is_file():
         raise ValueError(
             f"{run_dir} is not a clozax run (no config.json/run.json); pass a directory written "
@@ -72,8 +90,6 @@ def abstract_state(config: config_lib.RunConfig):
     layout was (replicated or ``train.fsdp``-sharded over other devices): orbax needs a target
     sharding to restore onto a different topology.
     """
-    from clozax.train import TrainState, make_optimizer
-
     params = jax.eval_shape(lambda: model_lib.init(config.model, jax.random.key(0)))
     optimizer, _ = make_optimizer(config.optim, config.train.steps, params)
     opt_state = jax.eval_shape(optimizer.init, params)
@@ -99,3 +115,32 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
     finally:
         checkpointer.close()
     return LoadedRun(run_dir, config, info, chosen, state.params)
+
+
+def open_run_dataset(run: LoadedRun) -> Dataset:
+    """The dataset a loaded run was trained on, checked against the run's provenance."""
+    path = Path(run.info.get("dataset", ""))
+    if not run.info.get("dataset") or not path.is_dir():
+        raise ValueError(
+            f"run {run.path} was trained on dataset {str(path)!r}, which does not exist here; "
+            "restore that directory (or re-run `clozax prepare` with the same options)"
+        )
+    dataset = open_dataset(path)
+    mismatches = []
+    if run.info.get("dataset_fingerprint") != dataset.fingerprint:
+        mismatches.append(f"fingerprint {str(run.info.get('dataset_fingerprint'))[:12]} vs "
+                          f"{dataset.fingerprint[:12]}")
+    if run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
+        mismatches.append(f"tokenizer sha256 {str(run.info.get('tokenizer_sha256'))[:12]} vs "
+                          f"{dataset.tokenizer_sha256[:12]}")
+    if run.config.model.vocab_size != dataset.vocab_size:
+        mismatches.append(f"vocab_size {run.config.model.vocab_size} vs {dataset.vocab_size}")
+    if dataset.seq_len > run.config.model.max_positions:
+        mismatches.append(f"seq_len {dataset.seq_len} > max_positions "
+                          f"{run.config.model.max_positions}")
+    if mismatches:
+        raise ValueError(
+            f"checkpoint whose config does not match the data: run {run.path} vs dataset {path} "
+            f"({'; '.join(mismatches)}); evaluate with the dataset the run was trained on"
+        )
+    return dataset

@@ -10,6 +10,7 @@ Axis names: ``(batch, seq, vocab)`` logits, or ``(batch, count, vocab)`` after s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,28 @@ def masked_nll(logits: jax.Array, targets: jax.Array, selected: jax.Array):
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(selected, nll, 0.0)), jnp.sum(selected)
+
+
+class TargetScores(NamedTuple):
+    """How a model scored the clean targets, per position.
+
+    logp: (..., vocab) log-probabilities; nll: (...) the target's negative log-likelihood;
+    rank: (...) int, how many ids have a strictly higher logit than the target (0 = top-1).
+    """
+
+    logp: jax.Array
+    nll: jax.Array
+    rank: jax.Array
+
+
+def score_targets(logits: jax.Array, targets: jax.Array) -> TargetScores:
+    """Log-probabilities, target NLL and target rank from (..., vocab) logits: the one place
+    evaluation and failure cases turn logits into scores."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)
+    rank = jnp.sum(logits > target_logit, axis=-1)
+    return TargetScores(logp, nll, rank)
 
 
 def token_weighted_mean(total, count):

@@ -1,0 +1,84 @@
+"""Files and directories that appear whole or not at all.
+
+``write_text`` / ``write_json`` write a temporary sibling and rename it over the target, so a
+reader never sees half a file (used for every file a later step reads). ``staged_dir`` fills
+a hidden temporary sibling directory (``.NAME.partial-PID``) and renames it into place when
+done; on any failure (an exception, Ctrl-C) the temporary directory is removed, and an
+existing ``out`` is kept until the new one is complete. A SIGKILL leaves only the hidden
+partial, which ``remove_stale_partials`` clears once its process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """Yield an empty temporary sibling of ``out``; publish it as ``out`` if the block succeeds."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Delete temporary directories left by killed writers (their process no longer exists)."""
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        try:
+            os.kill(int(stale.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass  # not ours to judge: a foreign name, or another user's live process
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename into place; an old directory is kept until the new one is complete."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (temporary sibling, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: Path, data, *, sort_keys: bool = False) -> Path:
+    """Write ``data`` as indented JSON (non-ASCII kept as is) to ``path`` atomically."""
+    return write_text(path, json.dumps(data, indent=2, sort_keys=sort_keys, ensure_ascii=False)
+                      + "\n")
+
+
+def write_jsonl(path: Path, records) -> Path:
+    """Write one JSON object per line to ``path`` atomically."""
+    return write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))

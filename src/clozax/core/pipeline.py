@@ -1,0 +1,102 @@
+"""Pieces of the training pipeline that every stage shares: named keys, the batch masker,
+random-init parameters, and the train state with its optimizer.
+
+Training uses them to build its step; evaluation, the audit and the probe use the same ones, so
+that what is judged is exactly what was trained (the same masker, the same init key).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clozax.core import masking
+from clozax.core import model as model_lib
+from clozax.core.vocab import Vocabulary
+
+
+class Keys(NamedTuple):
+    """Named keys, split once from ``train.seed``; per-step keys come from ``fold_in``."""
+
+    init: jax.Array
+    data: int  # numpy seed for the row permutation
+    mask: jax.Array
+
+    @staticmethod
+    def from_seed(seed: int) -> Keys:
+        init_key, data_key, mask_key = jax.random.split(jax.random.key(seed), 3)
+        data_seed = int(jax.random.randint(data_key, (), 0, 2**31 - 1))
+        return Keys(init_key, data_seed, mask_key)
+
+
+def init_params(model_config, seed: int) -> model_lib.Params:
+    """The architecture at initialisation, drawn with the init key of ``train.seed`` = ``seed``:
+    what a run starts from, and the random-init baseline every judge compares against."""
+    return model_lib.init(model_config, Keys.from_seed(seed).init)
+
+
+def make_masker(masking_config, vocab: Vocabulary, seq_len: int):
+    """``(key, batch) -> (MaskedBatch, Selection)``, jittable, static selected count.
+
+    ``masking_config`` has ``rate``, ``unit`` ("token" or "word") and ``policy``. Eligible
+    positions: real tokens (segment > 0) that are not special ids.
+    """
+    count = masking.selection_count(masking_config.rate, seq_len)
+    special_table = jnp.asarray(vocab.special_table())
+    random_ids = jnp.asarray(masking.allowed_random_ids(vocab.size, vocab.special_ids))
+    policy = masking_config.policy
+    mask_id = int(vocab.specials["mask"])
+
+    def masker(key, batch):
+        tokens, segments = batch["tokens"], batch["segments"]
+        eligible = ~special_table[tokens] & (segments > 0)  # (batch, seq)
+        select_key, corrupt_key = jax.random.split(key)
+        if masking_config.unit == "word":
+            selection = masking.select_words(select_key, eligible, batch["word_starts"], count)
+        else:
+            selection = masking.select_fixed(select_key, eligible, count)
+        selected = masking.selection_mask(selection, tokens.shape[1])
+        masked = masking.corrupt(corrupt_key, tokens, selected, policy, mask_id, random_ids)
+        return masked, selection
+
+    return masker
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # () int32: completed updates
+    params: dict
+    opt_state: optax.OptState
+
+
+def make_optimizer(optim, steps: int, params) -> tuple:
+    """AdamW (no decay on biases, LayerNorm, embeddings), warm-up then decay, clipping.
+
+    ``optim`` is an ``OptimConfig``. Returns ``(optimizer, schedule)``.
+    """
+    warmup = min(optim.warmup_steps, max(steps - 1, 0))
+    end = optim.learning_rate * optim.end_lr_fraction
+    decay_steps = max(steps - warmup, 1)
+    if optim.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(optim.learning_rate, decay_steps,
+                                            alpha=optim.end_lr_fraction)
+    else:
+        decay = optax.linear_schedule(optim.learning_rate, end, decay_steps)
+    if warmup > 0:
+        warm = optax.linear_schedule(0.0, optim.learning_rate, warmup)
+        schedule = optax.join_schedules([warm, decay], [warmup])
+    else:
+        schedule = decay
+    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
+    parts.append(
+        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                    weight_decay=optim.weight_decay, mask=model_lib.decay_mask(params))
+    )
+    return optax.chain(*parts), schedule
+
+
+def new_state(params, optimizer) -> TrainState:
+    """Step 0 of training from ``params``."""
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))

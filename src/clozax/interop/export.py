@@ -1,0 +1,61 @@
+"""``clozax export``: a run's checkpoint as a directory ``transformers`` loads offline
+(``AutoModelForMaskedLM`` + ``AutoTokenizer``), in the family its architecture maps to
+(``clozax.interop.families``). Needs only numpy + safetensors."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer
+
+from clozax.core import files
+from clozax.core.files import staged_dir
+from clozax.core.vocab import SPECIAL_NAMES
+from clozax.interop.families import for_model
+from clozax.interop.hf_files import check_fresh_output
+from clozax.train.run_dir import load_run
+
+
+def _special_tokens(tokenizer_path: Path, specials: dict) -> dict[str, str]:
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    return {name: tok.id_to_token(int(specials[name])) for name in SPECIAL_NAMES}
+
+
+def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+    """Write ``run_dir``'s checkpoint (default: latest) as a ``transformers`` directory.
+
+    Files: config.json, model.safetensors, tokenizer.json (the run's, byte for byte),
+    tokenizer_config.json and special_tokens_map.json (``PreTrainedTokenizerFast``).
+    Returns ``out_dir``.
+    """
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run = load_run(run_dir, step)
+    if not run.tokenizer_path.is_file():
+        raise ValueError(f"run {run_dir} has no tokenizer.json; it is damaged, re-train or "
+                         "re-import it")
+    with_head = bool(run.info.get("has_mlm_head", True))
+    specials = run.specials
+    tokens = _special_tokens(run.tokenizer_path, specials)
+    model_config = run.config.model
+    family = for_model(model_config)
+    tensors = family.to_hf_tensors(run.params, model_config, specials["pad"], with_head)
+    check_fresh_output(out_dir, "export")
+    with staged_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "clozax_run": str(run_dir.absolute()),
+                            "clozax_step": str(run.step)})
+        files.write_json(tmp / "config.json", family.hf_config(model_config, specials, with_head),
+                         sort_keys=True)
+        shutil.copyfile(run.tokenizer_path, tmp / "tokenizer.json")
+        token_fields = {f"{name}_token": tokens[name] for name in SPECIAL_NAMES}
+        files.write_json(tmp / "special_tokens_map.json", token_fields, sort_keys=True)
+        files.write_json(tmp / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **token_fields,
+            "model_max_length": model_config.max_positions,
+            "padding_side": "right",  # RoBERTa-PreLayerNorm parity needs right padding
+            "clean_up_tokenization_spaces": False,
+        }, sort_keys=True)
+    return out_dir

@@ -1,0 +1,135 @@
+"""Checks of the data and the run's files: split disjointness, tokenizer provenance, packing
+accounting, and the frozen eval-mask set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from clozax.data.dataset import ARRAYS, Dataset, Split, open_dataset
+from clozax.data.split import SPLITS
+from clozax.data.tokenizer import file_sha256
+from clozax.judge.audit.pipeline import CheckResult, Pipeline, default_masker
+from clozax.train import heldout
+
+
+def open_dataset_for_audit(path: Path) -> Dataset:
+    """``open_dataset``, except that a tokenizer file not matching the manifest is left to the
+    tokenizer check to report instead of refusing to open."""
+    try:
+        return open_dataset(path)
+    except ValueError as e:
+        if "does not match the sha256" not in str(e):
+            raise
+    path = Path(path)
+    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    splits = {s: Split(**{a: np.load(path / f"{s}.{a}.npy", mmap_mode="r") for a in ARRAYS})
+              for s in SPLITS}
+    return Dataset(path=path, manifest=manifest, **splits)
+
+
+def check_eval_masks(pipe: Pipeline, dataset: Dataset, run_dir: Path) -> CheckResult:
+    """Recompute with the run's configured masker: the one ``train`` built the set with."""
+    try:
+        stored, meta = heldout.load_eval_masks(run_dir)
+    except ValueError as e:
+        return CheckResult("eval_masks", False, None, str(e))
+    config = pipe.config
+    masker = default_masker(config, pipe.vocab, pipe.seq_len)
+    rebuilt = heldout.build_eval_masks(dataset.heldout, masker, config.train.eval_seed,
+                                        config.train.eval_rows)
+    stored_sha = heldout.eval_masks_sha256(stored)
+    rebuilt_sha = heldout.eval_masks_sha256(rebuilt)
+    passed = stored_sha == meta["sha256"] == rebuilt_sha
+    return CheckResult("eval_masks", passed,
+                       {"recorded": meta["sha256"], "stored": stored_sha, "rebuilt": rebuilt_sha},
+                       f"sha256 {stored_sha[:12]} recorded and rebuilt from eval_seed "
+                       f"{config.train.eval_seed}" if passed else
+                       f"recorded {meta['sha256'][:12]}, stored {stored_sha[:12]}, rebuilt "
+                       f"{rebuilt_sha[:12]}: the set is not the one eval_seed gives")
+
+
+def _documents(dataset: Dataset, split: str) -> list[dict]:
+    path = dataset.path / f"{split}.documents.jsonl"
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def check_data_disjoint(dataset: Dataset) -> CheckResult:
+    docs = {split: _documents(dataset, split) for split in SPLITS}
+    groups = [{d["group"] for d in docs[s]} for s in SPLITS]
+    ids = [{d["id"] for d in docs[s]} for s in SPLITS]
+    shared_groups, shared_ids = groups[0] & groups[1], ids[0] & ids[1]
+    value = {"shared_groups": len(shared_groups), "shared_documents": len(shared_ids)}
+    if shared_groups or shared_ids:
+        examples = sorted(map(str, shared_groups))[:2] + sorted(shared_ids)[:2]
+        return CheckResult("data_disjoint", False, value,
+                           f"{len(shared_groups)} group(s) and {len(shared_ids)} document "
+                           f"hash(es) are in both splits, e.g. {examples}")
+    return CheckResult("data_disjoint", True, value,
+                       f"{len(groups[0])}/{len(groups[1])} groups and {len(ids[0])}/"
+                       f"{len(ids[1])} document hashes (train/held-out), none shared")
+
+
+def check_tokenizer(dataset: Dataset, run_dir: Path | None = None) -> CheckResult:
+    tok = dataset.manifest["tokenizer"]
+    problems = []
+    if tok.get("trained_on") not in ("train", "given"):
+        problems.append(f"manifest says the tokenizer was trained on {tok.get('trained_on')!r}")
+    data_sha = file_sha256(dataset.tokenizer_path)
+    value = {"trained_on": tok.get("trained_on"), "manifest": tok["sha256"], "dataset": data_sha}
+    if data_sha != tok["sha256"]:
+        problems.append(f"dataset tokenizer file sha256 {data_sha[:12]} != manifest "
+                        f"{tok['sha256'][:12]}")
+    if run_dir is not None:
+        info = json.loads((run_dir / "run.json").read_text())
+        run_sha = file_sha256(run_dir / "tokenizer.json")
+        value |= {"run_recorded": info.get("tokenizer_sha256"), "run_file": run_sha}
+        if run_sha != info.get("tokenizer_sha256"):
+            problems.append(f"run tokenizer.json sha256 {run_sha[:12]} != run.json "
+                            f"{str(info.get('tokenizer_sha256'))[:12]}")
+        if info.get("tokenizer_sha256") != tok["sha256"]:
+            problems.append("run.json tokenizer sha256 differs from the dataset's")
+    if problems:
+        return CheckResult("tokenizer", False, value, "; ".join(problems))
+    where = "dataset and run" if run_dir is not None else "dataset"
+    return CheckResult("tokenizer", True, value,
+                       f"trained on {tok.get('trained_on')}; sha256 {data_sha[:12]} matches in "
+                       f"{where}")
+
+
+def check_packing_accounting(dataset: Dataset) -> CheckResult:
+    m = dataset.manifest
+    seq_len = dataset.seq_len
+    problems = []
+    d = m["documents"]
+    if d["read"] != d["kept"] + d["duplicates"] + d["skipped"]:
+        problems.append(f"read {d['read']} != kept {d['kept']} + duplicates {d['duplicates']} "
+                        f"+ skipped {d['skipped']}")
+    kept = 0
+    for name in SPLITS:
+        s, split = m["splits"][name], getattr(dataset, name)
+        kept += s["documents"]
+        if s["rows"] * seq_len != s["tokens"] + s["pad_tokens"]:
+            problems.append(f"{name}: rows x seq_len {s['rows'] * seq_len} != tokens "
+                            f"{s['tokens']} + pad {s['pad_tokens']}")
+        real = int(np.count_nonzero(np.asarray(split.segments)))
+        if split.rows != s["rows"] or real != s["tokens"]:
+            problems.append(f"{name}: arrays hold {split.rows} rows / {real} real tokens, "
+                            f"manifest {s['rows']} / {s['tokens']}")
+        docs = _documents(dataset, name)
+        if len(docs) != s["documents"]:
+            problems.append(f"{name}: {len(docs)} documents listed, manifest {s['documents']}")
+    if kept != d["kept"]:
+        problems.append(f"split documents sum to {kept}, manifest kept {d['kept']}")
+    value = {"documents": d, "splits": {n: {k: m["splits"][n][k] for k in
+                                              ("rows", "tokens", "pad_tokens", "documents")}
+                                          for n in SPLITS}}
+    if problems:
+        return CheckResult("packing_accounting", False, value, "; ".join(problems))
+    return CheckResult("packing_accounting", True, value,
+                       f"read {d['read']} = kept {d['kept']} + duplicates {d['duplicates']} + "
+                       f"skipped {d['skipped']}; rows x {seq_len} = tokens + pad in both "
+                       "splits; arrays and documents.jsonl agree with the manifest")

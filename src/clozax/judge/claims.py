@@ -1,0 +1,79 @@
+"""The checkable claims a run's evaluation, probe and audit support, with the thresholds they
+are held to, and the number formats they are stated in (the report and the demo print them)."""
+
+from __future__ import annotations
+
+import math
+
+ACCURACY_RATIO = 2.0  # claim: held-out accuracy >= this many times the unigram baseline
+SEPARATION_SE = 4.0  # claim: trained - random init accuracy > this many standard errors
+
+
+def claims(evaluation: dict | None, probe: dict | None, audit: dict | None) -> list[dict]:
+    """The demo's checkable claims: ``holds`` is True/False, or None when the input is missing."""
+    out = []
+    if evaluation is None:
+        out += [{"claim": f"held-out accuracy ≥ {ACCURACY_RATIO:g}× unigram", "holds": None,
+                 "detail": "not run (clozax evaluate)"},
+                {"claim": "held-out accuracy clearly above random init", "holds": None,
+                 "detail": "not run (clozax evaluate)"}]
+    else:
+        t, u, r = (evaluation[k]["accuracy"] for k in ("trained", "unigram", "random_init"))
+        n = evaluation["trained"]["count"]
+        ratio = t / u if u > 0 else math.inf
+        detail = f"trained {pct(t)} vs unigram {pct(u)} ({ratio:.2f}×)"
+        mask_t, mask_u = (evaluation[k].get("by_kind", {}).get("mask", {}).get("accuracy")
+                          for k in ("trained", "unigram"))
+        if mask_t is not None and mask_u:  # keep positions show the answer; say so
+            detail += f"; [MASK] positions alone {pct(mask_t)} vs {pct(mask_u)} " \
+                      f"({mask_t / mask_u:.2f}×)"
+        out.append({"claim": f"held-out accuracy ≥ {ACCURACY_RATIO:g}× unigram",
+                    "holds": bool(t >= ACCURACY_RATIO * u), "detail": detail})
+        # Two binomial proportions on the same n selected positions (independence is an
+        # approximation; the positions are shared, which only makes the difference less noisy).
+        se = math.sqrt(max(t * (1 - t), 1e-12) / n + max(r * (1 - r), 1e-12) / n)
+        out.append({"claim": "held-out accuracy clearly above random init",
+                    "holds": bool(t - r > SEPARATION_SE * se),
+                    "detail": f"trained {pct(t)} vs random init {pct(r)}: difference "
+                              f"{(t - r) / se:.1f} standard errors (needs > {SEPARATION_SE:g})"})
+    if probe is None:
+        out.append({"claim": "probe: trained beats random init outside the 95 % CI",
+                    "holds": None, "detail": "not run (clozax probe)"})
+    else:
+        tr, ri = probe["results"]["trained"], probe["results"]["random_init"]
+        diff = probe["trained_minus_random_init"]
+        holds = tr["accuracy"] > ri["ci95"][1] and diff["ci95"][0] > 0
+        out.append({"claim": "probe: trained beats random init outside the 95 % CI",
+                    "holds": bool(holds),
+                    "detail": f"trained {pct(tr['accuracy'])} vs random init "
+                              f"{pct(ri['accuracy'])} {ci(ri['ci95'])}; paired difference "
+                              f"{pp(diff['accuracy'])} {ci(diff['ci95'], pp=True)}"})
+    if audit is None:
+        out.append({"claim": "audit passes", "holds": None, "detail": "not run (clozax audit)"})
+    else:
+        passed, total, skipped = audit_counts(audit)
+        out.append({"claim": "audit passes", "holds": bool(audit.get("passed")),
+                    "detail": f"{passed}/{total} checks pass"
+                              + (f", {skipped} skipped" if skipped else "")})
+    return out
+
+
+def audit_counts(audit: dict) -> tuple[int, int, int]:
+    """(passed and not skipped, total, skipped)."""
+    checks = audit.get("checks", [])
+    skipped = sum(1 for c in checks if c.get("skipped"))
+    passed = sum(1 for c in checks if c.get("passed") and not c.get("skipped"))
+    return passed, len(checks), skipped
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def pp(x: float) -> str:
+    return f"{100 * x:+.1f} pp"
+
+
+def ci(interval, pp: bool = False) -> str:
+    lo, hi = interval
+    return f"[{100 * lo:+.1f}, {100 * hi:+.1f}] pp" if pp else f"[{100 * lo:.1f}, {100 * hi:.1f}]"

@@ -1,0 +1,1 @@
+"""The report layer: renders what a run directory holds (``clozax report``); no inference."""

@@ -1,0 +1,118 @@
+"""``clozax report RUN``: one self-contained HTML page (inline CSS, figures as base64 PNG) from
+what a run directory holds, plus the figures as PNG files in ``RUN/report/``.
+
+It reads ``config.json``, ``run.json``, ``metrics.jsonl``, ``eval_masks.json`` and, when present,
+``eval.json`` + ``failures.jsonl`` (``clozax evaluate``), ``probe.json`` (``clozax probe``) and
+``audit.json`` (``clozax audit``); a missing file makes its section say "not run". The
+probability panel (``clozax.judge.panel``) runs the latest checkpoint, so it needs the
+checkpoint and the run's dataset. The page is ``templates/report.html.j2`` (jinja2,
+autoescaped) over the data ``clozax.report.sections`` builds.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+from pathlib import Path
+
+import jax
+from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup, escape
+
+from clozax import __version__
+from clozax.core import files
+from clozax.core import model as model_lib
+from clozax.judge.panel import probability_panel
+from clozax.report import sections
+from clozax.report.figures import report_figures
+from clozax.report.inputs import read_json, read_jsonl, training_curves
+from clozax.train.run_dir import load_run, read_config
+
+REPORT_FILE = "report.html"
+FIGURE_DIR = "report"
+FAILURES_SHOWN = 10
+
+
+def _marked(text: str) -> Markup:
+    """Escaped text with the target between ⟦ ⟧ highlighted."""
+    return Markup(str(escape(text)).replace("⟦", "<mark>").replace("⟧", "</mark>"))
+
+
+def _environment() -> Environment:
+    env = Environment(loader=PackageLoader("clozax.report", "templates"),
+                      autoescape=select_autoescape(["html", "j2"]), keep_trailing_newline=True)
+    env.filters["marked"] = _marked
+    return env
+
+
+def _figure(path: Path, alt: str, caption: str) -> dict:
+    return {"alt": alt, "caption": caption,
+            "data": base64.b64encode(path.read_bytes()).decode("ascii")}
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write ``RUN/report.html`` (self-contained) and the figures in ``RUN/report/``; returns
+    the HTML path. Sections whose inputs are missing say "not run"."""
+    run_dir = Path(run_dir)
+    run_config, info = read_config(run_dir)  # raises a one-line error for a non-run
+    config = run_config.to_dict()
+    ev = read_json(run_dir / "eval.json")
+    probe = read_json(run_dir / "probe.json")
+    audit = read_json(run_dir / "audit.json")
+    masks_meta = read_json(run_dir / "eval_masks.json")
+    cases = read_jsonl(run_dir / "failures.jsonl")
+    curves = training_curves(read_jsonl(run_dir / "metrics.jsonl"))
+
+    panel, panel_error, step, n_params = None, None, None, None
+    try:
+        run = load_run(run_dir)
+        step, n_params = run.step, model_lib.param_count(run.params)
+        panel = probability_panel(run)
+    except (ValueError, FileNotFoundError) as err:
+        panel_error = str(err).splitlines()[0] if str(err) else type(err).__name__
+    figs = report_figures(run_dir / FIGURE_DIR, curves, ev, panel, run_config.model.vocab_size)
+
+    m, t = config["model"], config["train"]
+    seq_len = info.get("seq_len", 0)
+    tokens = (step or 0) * t["batch_size"] * seq_len
+    subtitle = (f"{m['layers']} layers × {m['hidden']} hidden, {m['heads']} heads"
+                + (f", {n_params / 1e6:.2f} M parameters" if n_params else "")
+                + f"; step {step if step is not None else '—'} of {t['steps']}, "
+                  f"{tokens:,} tokens seen (batch {t['batch_size']} × {seq_len}); "
+                  f"masking {config['masking']['rate']:.0%} of tokens.")
+    curve_figures = []
+    if "loss" in figs:
+        curve_figures.append(_figure(figs["loss"], "loss curves",
+                                     "Training loss (per batch, training masks) and held-out "
+                                     "loss (frozen eval masks) against tokens seen."))
+    if "accuracy" in figs:
+        curve_figures.append(_figure(figs["accuracy"], "held-out accuracy",
+                                     "Held-out masked-token accuracy; dashed: the baselines on "
+                                     "the same masks (from eval.json)."))
+    context = {
+        "name": run_dir.name,
+        "subtitle": subtitle,
+        "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "headline": sections.headline(ev, probe, audit),
+        "curves": curve_figures,
+        "panel": panel and {
+            "figure": _figure(figs["panel"], "probability panel",
+                              "Rows: selected held-out positions (evenly spaced eval rows, the "
+                              "first [MASK]-replaced slot in each; chosen before looking at "
+                              "predictions). Columns: the target, then the model's top "
+                              "predictions; cells are probabilities."),
+            "table": sections.panel_table(panel)},
+        "panel_error": panel_error,
+        "evaluation": ev and sections.evaluation(ev, step),
+        "probe": probe and sections.probe_section(probe),
+        "failures": (ev is not None or cases) and {
+            "shown": min(len(cases), FAILURES_SHOWN), "total": len(cases),
+            "table": sections.failures_table(cases[:FAILURES_SHOWN])},
+        "audit": audit and {"table": sections.audit_table(audit), "step": audit.get("step"),
+                            "devices": audit.get("devices"), "seconds": audit.get("seconds")},
+        "provenance": sections.provenance(run_dir, info, masks_meta, ev, probe, step,
+                                          {"clozax": __version__, "jax": jax.__version__}),
+        "config_json": sections.config_json(config),
+    }
+    page = _environment().get_template("report.html.j2").render(context)
+    return files.write_text(run_dir / REPORT_FILE, page)

@@ -1,0 +1,193 @@
+"""The frozen held-out set: the eval-mask schedule, and held-out sums as numerators and counts.
+
+The eval-mask set is the documented mask schedule for held-out numbers: the held-out rows'
+selections and corruptions come from a fixed eval key (``train.eval_seed``, never the training
+key), are computed once per run in fixed chunks of ``EVAL_MASK_CHUNK`` rows (chunk ``c`` uses
+``fold_in(eval_key, c)``), stored in the run directory with their sha256, and reused by every
+evaluation. Every metric is a sum over all selected held-out positions divided once by their
+count, overall and per corruption kind.
+
+Training evaluates with it every ``train.eval_every`` steps; ``clozax evaluate``
+(``clozax.judge.evaluate``) reads the same set and adds baselines and failure cases.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clozax.core import files, objective
+from clozax.core import model as model_lib
+from clozax.core.masking import KIND_NAMES, Kind
+from clozax.data.loader import padded_batches
+
+EVAL_MASK_CHUNK = 256
+EVAL_MASKS_FILE = "eval_masks.npz"
+EVAL_MASKS_META = "eval_masks.json"
+
+
+class EvalMasks(NamedTuple):
+    """rows: (R,) held-out row indices; inputs: (R, seq) corrupted ids;
+    positions/valid/kinds: (R, count) selected slots, their validity and corruption kind."""
+
+    rows: np.ndarray
+    inputs: np.ndarray
+    positions: np.ndarray
+    valid: np.ndarray
+    kinds: np.ndarray
+
+
+def eval_rows(heldout_rows: int, max_rows: int | None) -> np.ndarray:
+    """The held-out rows evaluated: all, or the first ``max_rows`` (a fixed, documented prefix)."""
+    n = heldout_rows if max_rows is None else min(heldout_rows, max_rows)
+    return np.arange(n)
+
+
+def build_eval_masks(split, masker, eval_seed: int, max_rows: int | None = None) -> EvalMasks:
+    """Compute the frozen eval-mask set. ``masker(key, batch) -> (MaskedBatch, Selection)``."""
+    rows = eval_rows(split.rows, max_rows)
+    if rows.size == 0:
+        raise ValueError("the held-out split has no rows; prepare a dataset with held-out data")
+    eval_key = jax.random.key(eval_seed)
+    masker = jax.jit(masker)
+    parts = []
+    for c, start in enumerate(range(0, rows.size, EVAL_MASK_CHUNK)):
+        chunk = rows[start : start + EVAL_MASK_CHUNK]
+        batch = {
+            "tokens": np.asarray(split.tokens[chunk], np.int32),
+            "segments": np.asarray(split.segments[chunk], np.int32),
+            "word_starts": np.asarray(split.word_starts[chunk], bool),
+        }
+        masked, selection = masker(jax.random.fold_in(eval_key, c), batch)
+        kinds = jnp.take_along_axis(masked.kind, selection.positions, axis=-1)
+        parts.append(
+            (np.asarray(masked.inputs, np.int32), np.asarray(selection.positions, np.int32),
+             np.asarray(selection.valid, bool), np.asarray(kinds, np.int8))
+        )
+    inputs, positions, valid, kinds = (np.concatenate(p) for p in zip(*parts, strict=True))
+    return EvalMasks(rows.astype(np.int64), inputs, positions, valid, kinds)
+
+
+def eval_masks_sha256(masks: EvalMasks) -> str:
+    """A hash of the arrays' names, dtypes, shapes and bytes (independent of the file format)."""
+    h = hashlib.sha256()
+    for name, array in zip(EvalMasks._fields, masks, strict=True):
+        a = np.ascontiguousarray(array)
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def save_eval_masks(run_dir: Path, masks: EvalMasks, eval_seed: int) -> str:
+    digest = eval_masks_sha256(masks)
+    buffer = io.BytesIO()
+    np.savez(buffer, **masks._asdict())
+    files.write_bytes(run_dir / EVAL_MASKS_FILE, buffer.getvalue())
+    meta = {
+        "sha256": digest,
+        "eval_seed": eval_seed,
+        "rows": int(masks.rows.size),
+        "selected": int(masks.valid.sum()),
+        "chunk": EVAL_MASK_CHUNK,
+        "schedule": "chunk c of the held-out rows uses fold_in(key(eval_seed), c); "
+        "rows are the first `rows` held-out rows",
+    }
+    files.write_json(run_dir / EVAL_MASKS_META, meta)
+    return digest
+
+
+def load_eval_masks(run_dir: Path) -> tuple[EvalMasks, dict]:
+    """Load and verify the stored eval-mask set against its recorded sha256."""
+    path, meta_path = run_dir / EVAL_MASKS_FILE, run_dir / EVAL_MASKS_META
+    if not path.is_file() or not meta_path.is_file():
+        raise ValueError(f"run {run_dir} has no frozen eval-mask set; train it with `clozax train`")
+    with np.load(path, allow_pickle=False) as f:
+        masks = EvalMasks(*(f[name] for name in EvalMasks._fields))
+    meta = json.loads(meta_path.read_text())
+    if eval_masks_sha256(masks) != meta["sha256"]:
+        raise ValueError(
+            f"eval-mask set in {run_dir} does not match its recorded sha256; it was modified — "
+            "restore it or delete both eval_masks files to rebuild them"
+        )
+    return masks, meta
+
+
+@dataclass(frozen=True)
+class EvalSums:
+    """Host-side float64 numerators and counts, per corruption kind (index 0 = all kinds)."""
+
+    nll: np.ndarray  # (4,)
+    correct: np.ndarray
+    top5: np.ndarray
+    count: np.ndarray
+
+    def metrics(self) -> dict:
+        def one(i):
+            n = int(self.count[i])
+            if n == 0:
+                return {"count": 0}
+            loss = float(self.nll[i] / n)
+            return {
+                "loss": loss,
+                "accuracy": float(self.correct[i] / n),
+                "top5_accuracy": float(self.top5[i] / n),
+                "perplexity": float(math.exp(min(loss, 700.0))),
+                "count": n,
+                "nll_sum": float(self.nll[i]),
+            }
+
+        out = one(0)
+        out["by_kind"] = {KIND_NAMES[k]: one(int(k)) for k in (Kind.MASK, Kind.RANDOM, Kind.KEEP)}
+        return out
+
+
+def make_eval_fn(model_config):
+    """Jitted per-batch sums: (params, batch) -> (nll, correct, top5, count), each (4,)."""
+
+    def fn(params, inputs, segments, positions, targets, valid, kinds):
+        logits = model_lib.logits_at(params, model_config, inputs, segments, positions)
+        scores = objective.score_targets(logits, targets)  # (batch, count)
+        per_kind = [valid] + [valid & (kinds == k) for k in (Kind.MASK, Kind.RANDOM, Kind.KEEP)]
+        stack = jnp.stack(per_kind)  # (4, batch, count)
+        return (
+            jnp.sum(jnp.where(stack, scores.nll[None], 0.0), axis=(1, 2)),
+            jnp.sum(stack & (scores.rank == 0)[None], axis=(1, 2)),
+            jnp.sum(stack & (scores.rank < 5)[None], axis=(1, 2)),
+            jnp.sum(stack, axis=(1, 2)),
+        )
+
+    return jax.jit(fn)
+
+
+def evaluate_masks(params, model_config, split, masks: EvalMasks, batch_size: int = 64,
+                   eval_fn=None) -> EvalSums:
+    """Sum the eval metrics over the whole eval-mask set (fixed batch shape; padded tail: padded
+    rows have no valid slot, so they add nothing to any sum)."""
+    eval_fn = eval_fn or make_eval_fn(model_config)
+    sums = [np.zeros(4, np.float64) for _ in range(4)]
+    take = functools.partial(mask_arrays, split, masks, with_kinds=True)
+    for _, arrays in padded_batches(masks.rows.size, batch_size, take):
+        for acc, value in zip(sums, eval_fn(params, *arrays), strict=True):
+            acc += np.asarray(value, np.float64)
+    return EvalSums(*sums)
+
+
+def mask_arrays(split, masks: EvalMasks, idx: np.ndarray, with_kinds: bool = False) -> list:
+    """The model's inputs for entries ``idx`` of an eval-mask set: corrupted inputs and segments
+    (batch, seq), slot positions and clean targets (batch, count), and with ``with_kinds`` the
+    slots' validity and corruption kind (batch, count)."""
+    rows = masks.rows[idx]
+    tokens = np.asarray(split.tokens[rows], np.int32)
+    arrays = [masks.inputs[idx], np.asarray(split.segments[rows], np.int32), masks.positions[idx],
+              np.take_along_axis(tokens, masks.positions[idx], axis=-1)]
+    return arrays + [masks.valid[idx], masks.kinds[idx]] if with_kinds else arrays
