@@ -175,4 +175,7 @@ def test_given_tokenizer_is_used_unchanged_with_its_own_special_ids(tmp_path):
     assert (tmp_path / "b" / "tokenizer.json").read_bytes() == given_path.read_bytes()
     ds = open_dataset(tmp_path / "b")
     assert np.all(ds.train.tokens[ds.train.segments == 0] == 10)
-    assert first["corpus_fingerprint"] == manifest["corpus_fingerprint"]
+    # The same documents, but other rows (other ids): the dataset's identity differs.
+    ids = "document_ids_sha256"
+    assert first["identity"][ids] == manifest["identity"][ids]
+    assert first["fingerprint"] != manifest["fingerprint"]

@@ -16,6 +16,7 @@ import pytest
 
 from clozax.cli import main
 from clozax.data import open_dataset, prepare
+from clozax.data.dataset import verify_files
 
 WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
 
@@ -109,7 +110,7 @@ def test_open_dataset_exposes_arrays_and_rejects_tampering(tmp_path):
     assert ds.train.tokens.dtype == np.uint16 and isinstance(ds.train.tokens, np.memmap)
     assert ds.train.tokens.shape == (manifest["splits"]["train"]["rows"], 32)
     assert ds.specials == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
-    assert ds.vocab_size <= 120 and ds.fingerprint == manifest["corpus_fingerprint"]
+    assert ds.vocab_size <= 120 and ds.fingerprint == manifest["fingerprint"]
     assert 0 < manifest["packing_efficiency"] <= 1
     d = manifest["documents"]
     assert d["read"] == d["kept"] + d["duplicates"] + d["skipped"]
@@ -127,6 +128,59 @@ def test_open_dataset_exposes_arrays_and_rejects_tampering(tmp_path):
     np.save(out / "heldout.segments.npy", np.zeros((1, 32), np.uint16))
     with pytest.raises(ValueError, match=r"heldout.segments.npy has shape \(1, 32\)"):
         open_dataset(out)
+
+
+def test_dataset_identity_covers_split_seed_seq_len_and_every_file(tmp_path):
+    corpus = _corpus(tmp_path)
+    opts = dict(corpus=str(corpus), vocab_size=120, heldout_fraction=0.2, quiet=True)
+    base = prepare(tmp_path / "a", seq_len=32, seed=0, **opts)
+    other_seed = prepare(tmp_path / "b", seq_len=32, seed=1, **opts)
+    other_len = prepare(tmp_path / "c", seq_len=64, seed=0,
+                        tokenizer=tmp_path / "a" / "tokenizer.json", **opts)
+    assert len({base["fingerprint"], other_seed["fingerprint"], other_len["fingerprint"]}) == 3
+    assert other_len["identity"]["tokenizer_sha256"] == base["identity"]["tokenizer_sha256"]
+    assert verify_files(open_dataset(tmp_path / "a")) == []
+
+    # An edited manifest and a resized file are caught on every open ...
+    out = tmp_path / "a"
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["identity"]["split"]["seed"] = 7
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="fingerprint does not match its identity"):
+        open_dataset(out)
+    manifest["identity"]["split"]["seed"] = 0
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with (out / "train.documents.jsonl").open("a") as f:
+        f.write("\n")
+    with pytest.raises(ValueError, match="train.documents.jsonl has .* bytes, the manifest "
+                                         "recorded"):
+        open_dataset(out)
+    # ... a flipped byte of the same size only by reading every byte (clozax audit --data).
+    (out / "train.documents.jsonl").write_bytes((out / "train.documents.jsonl").read_bytes()[:-1])
+    tokens = out / "train.tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[-1] ^= 0x01
+    tokens.write_bytes(bytes(data))
+    assert [m.split(":")[0] for m in verify_files(open_dataset(out))] == ["train.tokens.npy"]
+
+
+def test_documents_without_a_selectable_token_are_skipped_with_their_reason(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    rows = [{"text": " ".join(WORDS[i % len(WORDS)] for i in range(k, k + 20)) + f" {k}"}
+            for k in range(60)]
+    rows += [{"text": "\u200b\u200b\u200b"}, {"text": "[MASK] [MASK]"}]
+    corpus.write_text("\n".join(json.dumps(r) for r in rows))
+    manifest = prepare(tmp_path / "ds", corpus=str(corpus), vocab_size=120, seq_len=32,
+                       heldout_fraction=0.2, quiet=True)
+    d = manifest["documents"]
+    assert d["read"] == d["kept"] + d["duplicates"] + d["skipped"] and d["skipped"] == 2
+    assert manifest["skip_reasons"] == {"empty after tokenization": 1,
+                                        "no non-special token after tokenization": 1}
+    assert sum(s["documents"] for s in manifest["splits"].values()) == d["kept"] == 60
+    ds = open_dataset(tmp_path / "ds")
+    special = np.isin(ds.train.tokens, list(ds.specials.values()))
+    for row in range(ds.train.rows):  # every row has a token masking may select
+        assert (~special[row] & (ds.train.segments[row] > 0)).any()
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
@@ -188,7 +242,7 @@ def test_manifest_records_what_the_lead_needs(tmp_path):
     on_disk = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert on_disk == manifest
     for key in ("documents", "skipped", "splits", "tokenizer", "seq_len", "packing_efficiency",
-                "seed", "corpus_fingerprint", "clozax_version", "format_version"):
+                "seed", "identity", "fingerprint", "clozax_version", "format_version"):
         assert key in manifest
     for split in ("train", "heldout"):
         assert set(manifest["splits"][split]) >= {"documents", "groups", "rows", "tokens",

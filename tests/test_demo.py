@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_pat
                  "probe: trained beats random init outside the 95 % CI"):
         assert line in first.stdout, line
     assert json.loads((out / "run" / "audit.json").read_text())["passed"]
+    peak = re.search(r"peak RSS (\d+\.\d\d) GB", first.stdout.replace("\n", ""))
+    assert peak and 0.1 < float(peak.group(1)) < 2.5  # the demo measures its own peak
 
     second = _demo(out)  # resumable: training is complete, every stage's output is current
     assert second.returncode == 0, second.stderr[-3000:]

@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from clozax.core import model as model_lib
 from clozax.core.masking import KIND_NAMES
@@ -134,9 +135,13 @@ def test_failures_are_the_lowest_probability_positions_with_marked_context(evalu
     nll, _ = _host_slots(run.params, run.config.model, split, masks)
     assert probs[0] == pytest.approx(np.exp(-nll[masks.valid].max()), rel=1e-4)
     assert probs[-1] <= np.sort(np.exp(-nll[masks.valid]))[7] * (1 + 1e-4)
+    tokenizer = Tokenizer.from_file(str(run.tokenizer_path))
     for c in cases:
         assert c["kind"] in ("mask", "random", "keep")
-        assert f"⟦{c['target'].strip()}⟧" in c["text"]
+        # The target as a vocabulary piece (``▁add`` starts a word), marked in the context.
+        assert c["target"] == tokenizer.id_to_token(c["target_id"])
+        piece = c["target"].replace("\u2581", "").replace("##", "")
+        assert f"⟦{piece}⟧" in c["text"]
         assert len(c["top5"]) == 5
         top = [p for _, p in c["top5"]]
         assert top == sorted(top, reverse=True) and top[0] >= c["target_probability"]

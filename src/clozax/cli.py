@@ -128,22 +128,33 @@ def train(
         Path | None,
         typer.Option(help="Start from another run's parameters (continued pretraining)."),
     ] = None,
+    extend_to: Annotated[
+        int | None,
+        typer.Option(help="Continue a finished run in --out to this many steps, with its "
+                     "schedule re-created for the new length (AdamW state kept; recorded)."),
+    ] = None,
 ):
     """Pretrain an encoder with masked language modelling on a prepared dataset."""
     hostmem.keep_freed_memory()  # before JAX starts: see clozax.hostmem
     from clozax.train import config as config_lib
     from clozax.train import loop as train_lib
-    from clozax.train.run_dir import CONFIG_FILE
+    from clozax.train.run_dir import CONFIG_FILE, read_config
 
     overrides = list(set_ or [])
     for name, value in (("steps", steps), ("minutes", minutes), ("save_every", save_every),
                         ("eval_every", eval_every)):
         if value is not None:
             overrides.append(f"train.{name}={value}")
-    if resume and not (out / CONFIG_FILE).is_file():
+    existing = (out / CONFIG_FILE).is_file()
+    if resume and not existing:
         raise ValueError(f"--resume given but {out} is not a clozax run; drop --resume to start")
-    resolved = config_lib.resolve(config, preset, overrides)
-    result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from)
+    if extend_to is not None and minutes is not None:
+        raise ValueError("--extend-to and --minutes cannot be combined; give one of them")
+    # A run's model section comes from its saved config on every re-run.
+    run_model = read_config(out)[0].model if existing else None
+    resolved = config_lib.resolve(config, preset, overrides, run_model=run_model)
+    result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from,
+                             extend_to=extend_to)
     summary = f"trained {result.steps} steps into {out}"
     if result.final_loss == result.final_loss:  # not NaN: this invocation trained
         summary += f"; final train loss {result.final_loss:.4f}"

@@ -15,6 +15,13 @@ from clozax.core import kernels
 IMPLS = ("auto", "einsum", "xla", "cudnn")
 
 
+def cudnn_available() -> bool:
+    """Whether cuDNN's fused attention can run here: the default backend is an NVIDIA GPU."""
+    if jax.default_backend() != "gpu":
+        return False
+    return "nvidia" in jax.devices()[0].device_kind.lower()
+
+
 def visible(attention_mask, segments, within_segments):
     """Boolean mask broadcastable to (batch, heads, q, k): True where a query may see a key."""
     key_real = attention_mask[:, None, None, :]  # (batch, 1, 1, seq)

@@ -10,6 +10,7 @@ partial, which ``remove_stale_partials`` clears once its process is gone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -55,6 +56,15 @@ def _publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
+def read_json(path: Path):
+    """The JSON value at ``path``, or None when the file is missing or not valid JSON (a file
+    cut short by a kill reads as missing)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
 def write_bytes(path: Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (temporary sibling, then rename)."""
     path = Path(path)
@@ -74,11 +84,21 @@ def write_text(path: Path, text: str) -> Path:
 
 
 def write_json(path: Path, data, *, sort_keys: bool = False) -> Path:
-    """Write ``data`` as indented JSON (non-ASCII kept as is) to ``path`` atomically."""
-    return write_text(path, json.dumps(data, indent=2, sort_keys=sort_keys, ensure_ascii=False)
-                      + "\n")
+    """Write ``data`` as indented, strict JSON (no NaN or Infinity: ``ValueError``; non-ASCII
+    kept as is) to ``path`` atomically."""
+    return write_text(path, json.dumps(data, indent=2, sort_keys=sort_keys, ensure_ascii=False,
+                                       allow_nan=False) + "\n")
 
 
 def write_jsonl(path: Path, records) -> Path:
     """Write one JSON object per line to ``path`` atomically."""
     return write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -3,6 +3,7 @@ named presets (a dict). Shared by the model, the run config and every exporter."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, fields
@@ -115,3 +116,11 @@ def preset(name: str, **overrides) -> ModelConfig:
     if unknown:
         raise ValueError(f"unknown model config key(s) {unknown}; valid keys are {valid}")
     return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+def runnable_here(config: ModelConfig) -> ModelConfig:
+    """``config`` with the speed-only settings this machine cannot run replaced by ones it can:
+    ``attention="cudnn"`` (NVIDIA GPUs only) becomes ``"auto"``, the same maths."""
+    if config.attention == "cudnn" and not attention_lib.cudnn_available():
+        return dataclasses.replace(config, attention="auto")
+    return config

@@ -32,12 +32,16 @@ class TargetScores(NamedTuple):
     """How a model scored the clean targets, per position.
 
     logp: (..., vocab) log-probabilities; nll: (...) the target's negative log-likelihood;
-    rank: (...) int, how many ids have a strictly higher logit than the target (0 = top-1).
+    rank: (...) int, how many ids have a strictly higher logit than the target (0 = top-1);
+    finite: (...) bool, whether every logit of the position was finite. A position with a
+    non-finite logit is ranked last (rank = vocab): NaN compares false with everything, so
+    counting higher logits would otherwise rank it first.
     """
 
     logp: jax.Array
     nll: jax.Array
     rank: jax.Array
+    finite: jax.Array
 
 
 def score_targets(logits: jax.Array, targets: jax.Array) -> TargetScores:
@@ -46,8 +50,9 @@ def score_targets(logits: jax.Array, targets: jax.Array) -> TargetScores:
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)
-    rank = jnp.sum(logits > target_logit, axis=-1)
-    return TargetScores(logp, nll, rank)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    rank = jnp.where(finite, jnp.sum(logits > target_logit, axis=-1), logits.shape[-1])
+    return TargetScores(logp, nll, rank, finite)
 
 
 def token_weighted_mean(total, count):

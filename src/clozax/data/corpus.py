@@ -49,6 +49,11 @@ class Accounting:
         kind = reason.split(" (")[0]
         self.skip_reasons[kind] = self.skip_reasons.get(kind, 0) + 1
 
+    def unkeep(self, source: str, reason: str) -> None:
+        """A kept document found unusable later (e.g. after tokenization): now a skip."""
+        self.kept -= 1
+        self.skip(source, reason)
+
     def check(self) -> None:
         assert self.read == self.kept + self.duplicates + self.skipped, self
 

@@ -1,8 +1,9 @@
 """The on-disk dataset format: writing it row by row, and opening it memory-mapped.
 
-Layout of a dataset directory (``FORMAT_VERSION`` 1)::
+Layout of a dataset directory (``FORMAT_VERSION`` 2)::
 
-    manifest.json               accounting, split sizes, tokenizer, seq_len, fingerprint
+    manifest.json               accounting, split sizes, tokenizer, seq_len, identity and
+                                fingerprint
     tokenizer.json              the frozen tokenizer (sha256 in the manifest)
     {split}.tokens.npy          (rows, seq_len) uint16, or uint32 when vocab > 65536
     {split}.segments.npy        (rows, seq_len) uint16: 1..n per document piece, 0 = padding
@@ -13,10 +14,19 @@ Layout of a dataset directory (``FORMAT_VERSION`` 1)::
 
 ``documents.jsonl`` lines are written when a document's last chunk is placed, so they are not
 in corpus order; sort by ``index`` to restore it.
+
+Identity: ``manifest["identity"]`` holds everything that determines the rows — each split's
+document ids (a hash, in order), the split seed, held-out fraction and group field, ``seq_len``,
+the packer version, the tokenizer's sha256 — and the size and sha256 of every data file;
+``manifest["fingerprint"]`` is the sha256 of that identity. ``open_dataset`` checks cheaply
+(the fingerprint against the identity, every file's size); ``verify_files`` reads every byte
+(``clozax audit --data``). Runs and eval-mask sets record the fingerprint, so a re-prepared
+dataset (another seed, ``seq_len``, tokenizer, ...) is never taken for the original.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -25,13 +35,15 @@ from typing import IO
 
 import numpy as np
 
+from clozax.core.files import file_sha256
 from clozax.core.vocab import SPECIAL_NAMES
 from clozax.data.packing import PackedRow
 from clozax.data.split import SPLITS
-from clozax.data.tokenizer import file_sha256
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ARRAYS = ("tokens", "segments", "word_starts")
+DATA_FILES = tuple(f"{split}.{name}.npy" for split in SPLITS for name in ARRAYS) + tuple(
+    f"{split}.documents.jsonl" for split in SPLITS)
 _NPY_HEADER_BYTES = 128  # fixed, so the row count can be rewritten in place at the end
 _ROWS_PER_WRITE = 1024
 
@@ -154,7 +166,28 @@ class Dataset:
 
     @property
     def fingerprint(self) -> str:
-        return str(self.manifest["corpus_fingerprint"])
+        """sha256 of everything that determines the rows (see the module docstring)."""
+        return str(self.manifest["fingerprint"])
+
+
+def fingerprint(identity: dict) -> str:
+    """The sha256 of an identity dict in canonical JSON."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def file_records(directory: Path) -> dict[str, dict]:
+    """Size and sha256 of each data file of a dataset directory (``DATA_FILES``)."""
+    return {name: {"bytes": (directory / name).stat().st_size,
+                   "sha256": file_sha256(directory / name)} for name in DATA_FILES}
+
+
+def verify_files(dataset: Dataset) -> list[str]:
+    """Every data file's sha256 against the identity (reads every byte); the mismatches."""
+    recorded = dataset.manifest["identity"]["files"]
+    found = file_records(dataset.path)
+    return [f"{name}: sha256 {found[name]['sha256'][:12]}, manifest {recorded[name]['sha256'][:12]}"
+            for name in DATA_FILES if found[name]["sha256"] != recorded[name]["sha256"]]
 
 
 def open_dataset(path: str | Path) -> Dataset:
@@ -210,5 +243,26 @@ def open_dataset(path: str | Path) -> Dataset:
                                  f"{expected_dtypes[name]}; {redo}")
             arrays[name] = array
         opened[split] = Split(**arrays)
+    _check_identity(path, manifest, redo)
     return Dataset(path=path, manifest=manifest, train=opened["train"],
                    heldout=opened["heldout"])
+
+
+def _check_identity(path: Path, manifest: dict, redo: str) -> None:
+    """The cheap identity check on every open: the fingerprint matches the identity it hashes,
+    the identity agrees with the manifest, and every data file has its recorded size."""
+    identity = manifest.get("identity")
+    if not isinstance(identity, dict) or manifest.get("fingerprint") != fingerprint(identity):
+        raise ValueError(f"dataset {path}: manifest.json's fingerprint does not match its "
+                         f"identity (was it edited?); {redo}")
+    if (identity.get("seq_len") != manifest["seq_len"]
+            or identity.get("tokenizer_sha256") != manifest["tokenizer"]["sha256"]):
+        raise ValueError(f"dataset {path}: manifest.json's identity disagrees with its seq_len or "
+                         f"tokenizer (was it edited?); {redo}")
+    for name in DATA_FILES:
+        file, record = path / name, identity["files"].get(name, {})
+        if not file.is_file():
+            raise ValueError(f"dataset {path} lacks {name}; {redo}")
+        if file.stat().st_size != record.get("bytes"):
+            raise ValueError(f"dataset {path}: {name} has {file.stat().st_size} bytes, the "
+                             f"manifest recorded {record.get('bytes')} (was it changed?); {redo}")

@@ -23,6 +23,9 @@ MAX_SEQ_LEN = 512
 MIN_SEQ_LEN = 8
 # Open rows kept for best fit. Larger packs a little tighter and costs only memory.
 PACKING_WINDOW = 1024
+# Recorded in every dataset's identity: change it whenever chunking or packing places tokens
+# differently, so that datasets packed the old way are never taken for new ones.
+PACKER_VERSION = f"chunk-at-word-starts/best-fit-window-{PACKING_WINDOW}/1"
 
 
 @dataclass(frozen=True)

@@ -29,16 +29,27 @@ from tokenizers import Tokenizer
 
 import clozax
 from clozax.core import files
-from clozax.core.files import remove_stale_partials, staged_dir
+from clozax.core.files import file_sha256, remove_stale_partials, staged_dir
 from clozax.core.vocab import SPECIAL_NAMES
 from clozax.data.corpus import Accounting, clean
-from clozax.data.dataset import FORMAT_VERSION, SplitWriter, token_dtype
-from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, BestFitPacker, chunk_document
+from clozax.data.dataset import (
+    FORMAT_VERSION,
+    SplitWriter,
+    file_records,
+    fingerprint,
+    token_dtype,
+)
+from clozax.data.packing import (
+    MAX_SEQ_LEN,
+    MIN_SEQ_LEN,
+    PACKER_VERSION,
+    BestFitPacker,
+    chunk_document,
+)
 from clozax.data.readers import FieldNames, Record, read_corpus
 from clozax.data.split import HELDOUT, SPLITS, TRAIN, assign_split, group_key
 from clozax.data.tokenizer import (
     TOKENIZER_MODELS,
-    file_sha256,
     find_specials,
     load_tokenizer,
     train_tokenizer,
@@ -141,14 +152,12 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
     # Groups are counted by their 64-bit keys, not names, to keep memory small.
     groups: dict[str, set[int]] = {split: set() for split in SPLITS}
     docs = dict.fromkeys(SPLITS, 0)
-    corpus_hash = hashlib.sha256()  # over kept documents' ids, in corpus order
     reading = progress.add_task("reading", total=None, detail="")
     for doc in clean(records, accounting):
         key = group_key(doc.group, config.seed)
         split = assign_split(key, config.heldout_fraction)
         groups[split].add(key)
         docs[split] += 1
-        corpus_hash.update(bytes.fromhex(doc.id))
         spools[split].write(json.dumps(asdict(doc), ensure_ascii=False) + "\n")
         progress.advance(reading)
     for f in spools.values():
@@ -172,12 +181,18 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     # 3. encode, chunk, pack, write
-    split_stats = {}
+    split_stats, ids_sha256 = {}, {}
     for split in SPLITS:
         stats = _pack_split(config, tmp, split, tok, specials, token_dtype(vocab_size),
-                            progress, docs[split])
-        split_stats[split] = {"documents": docs[split], "groups": len(groups[split]), **stats}
+                            progress, docs[split], accounting)
+        ids_sha256[split] = stats.pop("document_ids_sha256")
+        split_stats[split] = {"groups": len(groups[split]), **stats}
         (tmp / f"{split}.spool.jsonl").unlink()
+    accounting.check()
+    for split in SPLITS:
+        if split_stats[split]["documents"] == 0:
+            raise ValueError(f"the {split} split has no document with a non-special token after "
+                             f"tokenization; add text to {config.corpus}")
 
     # 4. manifest
     real = sum(s["tokens"] for s in split_stats.values())
@@ -206,8 +221,19 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "packing_efficiency": real / total,
         "heldout_fraction": config.heldout_fraction,
         "seed": config.seed,
-        "corpus_fingerprint": corpus_hash.hexdigest(),
     }
+    # Everything that determines the rows; its hash is the dataset's fingerprint.
+    manifest["identity"] = {
+        "document_ids_sha256": ids_sha256,
+        "split": {"seed": config.seed, "heldout_fraction": config.heldout_fraction,
+                  "group_field": config.group_field},
+        "text_field": config.text_field,
+        "seq_len": config.seq_len,
+        "packer": PACKER_VERSION,
+        "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+        "files": file_records(tmp),
+    }
+    manifest["fingerprint"] = fingerprint(manifest["identity"])
     files.write_json(tmp / "manifest.json", manifest)
     return manifest
 
@@ -255,14 +281,24 @@ def _batches(path: Path) -> Iterator[list[dict]]:
 
 def _pack_split(config: PrepareConfig, tmp: Path, split: str, tok: Tokenizer,
                 specials: dict[str, int], dtype: np.dtype, progress: Progress,
-                n_docs: int) -> dict:
+                n_docs: int, accounting: Accounting) -> dict:
+    """Encode, chunk and pack one split's spool. A document with no token that could ever be
+    selected (empty after tokenization, or only special tokens such as a literal ``[MASK]``)
+    is skipped with its reason, so no row can lack an eligible position."""
     writer = SplitWriter(tmp, split, config.seq_len, dtype)
     packer = BestFitPacker(config.seq_len, specials["pad"], writer.write_row)
     task = progress.add_task(f"packing {split}", total=n_docs, detail="0 tokens")
-    index = chunks = long_docs = n_tokens = 0
+    special_ids = set(specials.values())
+    ids_hash = hashlib.sha256()  # kept documents' ids, in corpus order
+    index = chunks = long_docs = n_tokens = skipped = 0
     for batch in _batches(tmp / f"{split}.spool.jsonl"):
         encodings = tok.encode_batch([r["text"] for r in batch], add_special_tokens=False)
         for record, enc in zip(batch, encodings, strict=True):
+            if all(i in special_ids for i in enc.ids):
+                accounting.unkeep(record["source"], "no non-special token after tokenization"
+                                  if enc.ids else "empty after tokenization")
+                skipped += 1
+                continue
             pieces = chunk_document(index, enc.ids, enc.word_ids, seq_len=config.seq_len,
                                     cls_id=specials["cls"], sep_id=specials["sep"])
             writer.add_document(index, {"id": record["id"], "group": record["group"],
@@ -270,6 +306,7 @@ def _pack_split(config: PrepareConfig, tmp: Path, split: str, tok: Tokenizer,
                                         "tokens": len(enc.ids)}, len(pieces))
             for piece in pieces:
                 packer.add(piece)
+            ids_hash.update(bytes.fromhex(record["id"]))
             chunks += len(pieces)
             long_docs += len(pieces) > 1
             n_tokens += len(enc.ids)
@@ -277,9 +314,10 @@ def _pack_split(config: PrepareConfig, tmp: Path, split: str, tok: Tokenizer,
         progress.update(task, advance=len(batch), detail=f"{n_tokens:,} tokens")
     packer.flush()
     writer.close()
-    return {"rows": writer.rows, "tokens": writer.tokens,
+    return {"documents": index, "rows": writer.rows, "tokens": writer.tokens,
             "pad_tokens": writer.rows * config.seq_len - writer.tokens,
-            "chunks": chunks, "chunked_documents": long_docs}
+            "chunks": chunks, "chunked_documents": long_docs, "skipped_documents": skipped,
+            "document_ids_sha256": ids_hash.hexdigest()}
 
 
 def print_summary(manifest: dict, console: Console, seconds: float | None = None) -> None:

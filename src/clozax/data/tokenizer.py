@@ -9,7 +9,6 @@ restores spaces without a prefix/suffix that would break determinism.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -98,11 +97,3 @@ def load_tokenizer(path: Path) -> Tokenizer:
                          "HF tokenizers") from None
     find_specials(tok)
     return tok
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

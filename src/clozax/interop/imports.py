@@ -18,10 +18,9 @@ import jax.numpy as jnp
 from tokenizers import Tokenizer
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from clozax.core.files import staged_dir
+from clozax.core.files import file_sha256, staged_dir
 from clozax.core.pipeline import make_optimizer, new_state
 from clozax.core.vocab import SPECIAL_NAMES
-from clozax.data.tokenizer import file_sha256
 from clozax.interop.families import for_hf_config, special_strings
 from clozax.interop.hf_files import (
     check_fresh_output,

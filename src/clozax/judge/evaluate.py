@@ -24,11 +24,11 @@ from clozax.train.heldout import (
     EvalMasks,
     EvalSums,
     build_eval_masks,
+    ensure_eval_masks,
     eval_masks_sha256,
-    load_eval_masks,
     mask_arrays,
 )
-from clozax.train.run_dir import load_run, open_run_dataset
+from clozax.train.run_dir import load_run, open_run_dataset, warn
 
 EVAL_FILE = "eval.json"
 FAILURES_FILE = "failures.jsonl"
@@ -95,15 +95,12 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
     run = load_run(run_dir)
     run.require_mlm_head("evaluate")
     dataset = open_run_dataset(run)
-    masks, meta = load_eval_masks(run_dir)
-    split = dataset.heldout
-    if masks.inputs.shape[1] != dataset.seq_len or int(masks.rows.max()) >= split.rows:
-        raise ValueError(
-            f"eval-mask set of {run_dir} (rows up to {int(masks.rows.max())}, seq "
-            f"{masks.inputs.shape[1]}) does not fit dataset {dataset.path}; it belongs to "
-            "another dataset — delete eval_masks.* to rebuild them by resuming training"
-        )
     cfg = run.config
+    vocab = Vocabulary(dataset.vocab_size, dataset.specials)
+    masker = make_masker(cfg.masking, vocab, dataset.seq_len)
+    masks, meta = ensure_eval_masks(run_dir, dataset, masker, cfg.train.eval_seed,
+                                    cfg.train.eval_rows, say=warn)
+    split = dataset.heldout
     special_ids = sorted(set(dataset.specials.values()))
     slot_fn = make_slot_fn(cfg.model)
 
@@ -111,15 +108,13 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
     random = slot_outputs(init_params(cfg.model, cfg.train.seed), cfg.model, split, masks,
                           batch_size, slot_fn)
     unigram = unigram_logprobs(dataset.train, dataset.vocab_size, special_ids)
-    trained_metrics = sums_from_slots(trained.nll, trained.rank, masks).metrics()
+    trained_metrics = trained.sums(masks).metrics()
 
     transfer = None
     if mask_seed is not None:
-        masker = make_masker(cfg.masking, Vocabulary(dataset.vocab_size, dataset.specials),
-                             dataset.seq_len)
         other = build_eval_masks(split, masker, mask_seed, cfg.train.eval_rows)
         out = slot_outputs(run.params, cfg.model, split, other, batch_size, slot_fn)
-        other_metrics = sums_from_slots(out.nll, out.rank, other).metrics()
+        other_metrics = out.sums(other).metrics()
         transfer = {
             "label": "corruption transfer (same held-out text, masks from another eval seed; "
                      "not a new-language test)",
@@ -139,7 +134,7 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
         "eval_masks_sha256": meta["sha256"],
         "trained": trained_metrics,
         "unigram": unigram_sums(unigram, split, masks).metrics(),
-        "random_init": sums_from_slots(random.nll, random.rank, masks).metrics(),
+        "random_init": random.sums(masks).metrics(),
         "transfer": transfer,
         "schedule": schedule_description(cfg, meta, masks),
     }

@@ -12,9 +12,12 @@ from clozax.train.heldout import EvalMasks
 CONTEXT_TOKENS = 30  # failure-case context on each side, within the target's own segment
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    text = tokenizer.decode([int(token_id)], skip_special_tokens=False)
-    return text if text else str(tokenizer.id_to_token(int(token_id)))
+def token_piece(tokenizer, token_id: int) -> str:
+    """How a token id is shown: its vocabulary piece, with the tokenizer's own word-start or
+    continuation mark (``▁a`` starts a word, ``a`` continues one; WordPiece's ``##a``). Two ids
+    never look alike, as their decoded text can ("a" for both)."""
+    piece = tokenizer.id_to_token(int(token_id))
+    return piece if piece is not None else f"<id {int(token_id)}>"
 
 
 def marked_context(tokenizer, tokens: np.ndarray, segments: np.ndarray, position: int,
@@ -34,7 +37,7 @@ def marked_context(tokenizer, tokens: np.ndarray, segments: np.ndarray, position
     if text_with.startswith(text_left) and text_all.startswith(text_with):
         piece, rest = text_with[len(text_left):], text_all[len(text_with):]
     else:
-        piece, rest = " " + token_text(tokenizer, target), " " + tokenizer.decode(right)
+        piece, rest = " " + tokenizer.decode([target]), " " + tokenizer.decode(right)
     space = piece[: len(piece) - len(piece.lstrip())]
     first_real = next((int(i) for i in same if int(tokens[i]) not in specials), lo)
     last_real = max((int(i) for i in same if int(tokens[i]) not in specials), default=hi)
@@ -60,13 +63,13 @@ def failure_cases(tokenizer, split, masks: EvalMasks, slots: SlotOutputs, specia
             "position": position,
             "text": marked_context(tokenizer, tokens, np.asarray(split.segments[row]), position,
                                    special_ids),
-            "target": token_text(tokenizer, target),
+            "target": token_piece(tokenizer, target),
             "target_id": target,
             "target_probability": float(np.exp(-float(slots.nll[i, j]))),
             "target_rank": int(slots.rank[i, j]),
-            "top5": [[token_text(tokenizer, t), float(p)]
+            "top5": [[token_piece(tokenizer, t), float(p)]
                      for t, p in zip(slots.top_ids[i, j], slots.top_probs[i, j], strict=True)],
             "kind": KIND_NAMES[Kind(int(masks.kinds[i, j]))],
-            "input_token": token_text(tokenizer, int(masks.inputs[i, position])),
+            "input_token": token_piece(tokenizer, int(masks.inputs[i, position])),
         })
     return cases

@@ -14,7 +14,7 @@ import numpy as np
 
 from clozax.core import model as model_lib
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge.failures import token_text
+from clozax.judge.failures import token_piece
 from clozax.train.run_dir import load_run
 
 MASK_TEXT = "[MASK]"
@@ -65,7 +65,7 @@ def fill(run_dir: Path, text: str, top_k: int = 5) -> list[dict]:
             "mask": n,
             "position": int(position),
             "predictions": [
-                {"token": token_text(tokenizer, int(t)), "id": int(t), "probability": float(p)}
+                {"token": token_piece(tokenizer, int(t)), "id": int(t), "probability": float(p)}
                 for t, p in zip(top_ids[n], probs[n], strict=True)
             ],
         })

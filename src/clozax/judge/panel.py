@@ -7,7 +7,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from clozax.core.masking import KIND_NAMES, Kind
-from clozax.judge.failures import marked_context, token_text
+from clozax.judge.failures import marked_context, token_piece
 from clozax.judge.slots import make_slot_fn, slot_outputs
 from clozax.train.heldout import EvalMasks, load_eval_masks
 from clozax.train.run_dir import open_run_dataset
@@ -51,10 +51,10 @@ def probability_panel(run, n: int = PANEL_EXAMPLES) -> list[dict]:
             "row": row,
             "position": position,
             "kind": KIND_NAMES[Kind(int(sub.kinds[k, j]))],
-            "target": token_text(tokenizer, int(tokens[position])),
+            "target": token_piece(tokenizer, int(tokens[position])),
             "target_probability": float(np.exp(-out.nll[k, j])),
             "target_rank": int(out.rank[k, j]),
-            "top": [[token_text(tokenizer, t), float(p)]
+            "top": [[token_piece(tokenizer, t), float(p)]
                     for t, p in zip(out.top_ids[k, j], out.top_probs[k, j], strict=True)],
             "text": marked_context(tokenizer, tokens, np.asarray(dataset.heldout.segments[row]),
                                    position, special_ids, width=20),

@@ -23,24 +23,29 @@ TOP_K = 5
 def make_slot_fn(model_config, top_k: int = TOP_K):
     """Jitted per-slot outputs: (params, inputs, segments, positions, targets) ->
     nll (batch, count), rank of the target (batch, count; 0 = top-1), top-k ids and
-    probabilities (batch, count, k)."""
+    probabilities (batch, count, k), whether the slot's logits were all finite (batch, count)."""
 
     def fn(params, inputs, segments, positions, targets):
         logits = model_lib.logits_at(params, model_config, inputs, segments, positions)
         scores = objective.score_targets(logits, targets)  # logp: (batch, count, vocab)
         top_logp, top_ids = jax.lax.top_k(scores.logp, top_k)
-        return scores.nll, scores.rank, top_ids, jnp.exp(top_logp)
+        return scores.nll, scores.rank, top_ids, jnp.exp(top_logp), scores.finite
 
     return jax.jit(fn)
 
 
 class SlotOutputs(NamedTuple):
-    """Per selected slot of an eval-mask set: nll/rank (R, count), top ids/probs (R, count, k)."""
+    """Per selected slot of an eval-mask set: nll/rank/finite (R, count), top ids/probs
+    (R, count, k)."""
 
     nll: np.ndarray
     rank: np.ndarray
     top_ids: np.ndarray
     top_probs: np.ndarray
+    finite: np.ndarray
+
+    def sums(self, masks: EvalMasks) -> EvalSums:
+        return sums_from_slots(self.nll, self.rank, masks, self.finite)
 
 
 def slot_outputs(params, model_config, split, masks: EvalMasks, batch_size: int = 64,
@@ -55,8 +60,10 @@ def slot_outputs(params, model_config, split, masks: EvalMasks, batch_size: int 
     return SlotOutputs(*(np.concatenate(p) for p in zip(*parts, strict=True)))
 
 
-def sums_from_slots(nll: np.ndarray, rank: np.ndarray, masks: EvalMasks) -> EvalSums:
-    """Float64 numerators and counts over valid slots, overall and per corruption kind."""
+def sums_from_slots(nll: np.ndarray, rank: np.ndarray, masks: EvalMasks,
+                    finite: np.ndarray | None = None) -> EvalSums:
+    """Float64 numerators and counts over valid slots, overall and per corruption kind;
+    ``finite`` (R, count) marks slots whose logits were all finite (default: all)."""
     per_kind = [masks.valid] + [masks.valid & (masks.kinds == k)
                                 for k in (Kind.MASK, Kind.RANDOM, Kind.KEEP)]
     nll = nll.astype(np.float64)
@@ -65,4 +72,6 @@ def sums_from_slots(nll: np.ndarray, rank: np.ndarray, masks: EvalMasks) -> Eval
         correct=np.array([float(np.sum(rank[m] == 0)) for m in per_kind]),
         top5=np.array([float(np.sum(rank[m] < 5)) for m in per_kind]),
         count=np.array([float(m.sum()) for m in per_kind]),
+        nonfinite=np.array([0.0 if finite is None else float(np.sum(m & ~finite))
+                            for m in per_kind]),
     )

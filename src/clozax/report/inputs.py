@@ -1,5 +1,5 @@
-"""What the report reads from a run directory: JSON files that may be missing or cut short,
-and the training curves in ``metrics.jsonl``."""
+"""What the report reads from a run directory besides JSON files (``files.read_json``): JSON
+lines that may be cut short, and the training curves in ``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -7,16 +7,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-
-def read_json(path: Path) -> dict | None:
-    """The JSON object at ``path``, or None when it is missing or not valid JSON."""
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -22,10 +22,11 @@ from markupsafe import Markup, escape
 from clozax import __version__
 from clozax.core import files
 from clozax.core import model as model_lib
+from clozax.core.files import read_json
 from clozax.judge.panel import probability_panel
 from clozax.report import sections
 from clozax.report.figures import report_figures
-from clozax.report.inputs import read_json, read_jsonl, training_curves
+from clozax.report.inputs import read_jsonl, training_curves
 from clozax.train.run_dir import load_run, read_config
 
 REPORT_FILE = "report.html"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,37 @@ from clozax.core.masking import CorruptionPolicy, validate_rate
 from clozax.core.model_config import PRESETS, ModelConfig
 
 MAX_MASK_RATE = 0.5  # Wettig et al. found up to 0.4 useful for large models
+SEED_LIMIT = 2**32  # jax.random.key folds larger seeds onto smaller ones (2**32 gives seed 0)
+
+
+def check_int(key: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
+    """A whole number (not a bool, not 1.5) within [minimum, maximum]; one-line error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}={value!r} is not a whole number; give an integer")
+    if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        bounds = (f">= {minimum}" if maximum is None else
+                  f"in [{minimum}, {maximum}]" if minimum is not None else f"<= {maximum}")
+        raise ValueError(f"{key}={value!r} must be {bounds}")
+
+
+def check_real(key: str, value, low: float, high: float, *, low_open: bool = False,
+               high_open: bool = False) -> None:
+    """A finite number (not a bool, not inf or nan) within the interval; one-line error."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} is not a finite number; give a number such as 0.5")
+    if value < low or value > high or low_open and value == low or high_open and value == high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{key}={value!r} is outside {interval}")
+
+
+def check_choice(key: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def check_bool(key: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} is not a bool; use true or false")
 
 
 @dataclass(frozen=True)
@@ -33,10 +65,12 @@ class MaskingConfig:
     unit: str = "token"  # "token" or "word" (whole-word selection from prepare's word starts)
 
     def __post_init__(self):
-        validate_rate(self.rate, upper=MAX_MASK_RATE)
-        self.policy  # validates the fractions  # noqa: B018
-        if self.unit not in ("token", "word"):
-            raise ValueError(f"masking.unit={self.unit!r} is not one of 'token', 'word'")
+        check_real("masking.rate", self.rate, -math.inf, math.inf)  # a finite number ...
+        validate_rate(self.rate, upper=MAX_MASK_RATE)  # ... in (0, MAX_MASK_RATE]
+        for name in ("mask", "random", "keep"):
+            check_real(f"masking.{name}", getattr(self, name), 0.0, 1.0)
+        self.policy  # validates the fractions' sum  # noqa: B018
+        check_choice("masking.unit", self.unit, ("token", "word"))
 
     @property
     def policy(self) -> CorruptionPolicy:
@@ -56,18 +90,16 @@ class OptimConfig:
     clip_norm: float = 1.0  # global-norm clipping; 0 disables
 
     def __post_init__(self):
-        if not self.learning_rate > 0:
-            raise ValueError(f"optim.learning_rate={self.learning_rate} must be > 0")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        if self.schedule not in ("linear", "cosine"):
-            raise ValueError(f"optim.schedule={self.schedule!r} is not one of 'linear', 'cosine'")
-        if not 0 <= self.end_lr_fraction <= 1:
-            raise ValueError(f"optim.end_lr_fraction={self.end_lr_fraction} is outside [0, 1]")
-        if self.weight_decay < 0 or self.clip_norm < 0:
-            raise ValueError("optim.weight_decay and optim.clip_norm must be >= 0")
-        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0):
-            raise ValueError("optim.b1 and optim.b2 must lie in [0, 1) and optim.eps be > 0")
+        check_real("optim.learning_rate", self.learning_rate, 0.0, math.inf, low_open=True,
+                   high_open=True)
+        check_int("optim.warmup_steps", self.warmup_steps, 0)
+        check_choice("optim.schedule", self.schedule, ("linear", "cosine"))
+        check_real("optim.end_lr_fraction", self.end_lr_fraction, 0.0, 1.0)
+        for name in ("weight_decay", "clip_norm"):
+            check_real(f"optim.{name}", getattr(self, name), 0.0, math.inf, high_open=True)
+        for name in ("b1", "b2"):
+            check_real(f"optim.{name}", getattr(self, name), 0.0, 1.0, high_open=True)
+        check_real("optim.eps", self.eps, 0.0, 1.0, low_open=True)
 
 
 @dataclass(frozen=True)
@@ -80,6 +112,9 @@ class TrainConfig:
     eval_every: int = 100
     eval_rows: int | None = None  # cap on held-out rows evaluated (None: all)
     save_every: int = 100
+    # Steps at which ``clozax train --extend-to`` continued a finished run with a schedule
+    # re-created for the new ``steps`` (provenance; the AdamW state was kept).
+    extended_from: tuple[int, ...] = ()
     # Speed-only settings: they never change the numbers (see SPEED_ONLY).
     microbatches: int = 1
     devices: int | None = None  # None: all local devices
@@ -93,19 +128,21 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "microbatches", "eval_every", "save_every",
                      "keep_checkpoints", "log_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.{name}={value!r} must be a positive integer")
-        if self.minutes is not None and not self.minutes > 0:
-            raise ValueError(f"train.minutes={self.minutes} must be > 0")
-        if self.devices is not None and self.devices < 1:
-            raise ValueError(f"train.devices={self.devices} must be >= 1")
-        if self.eval_rows is not None and self.eval_rows < 1:
-            raise ValueError(f"train.eval_rows={self.eval_rows} must be >= 1")
-        if not isinstance(self.fsdp, bool):
-            raise ValueError(f"train.fsdp={self.fsdp!r} is not a bool; use true or false")
-        if self.prefetch < 0:
-            raise ValueError(f"train.prefetch={self.prefetch} must be >= 0")
+            check_int(f"train.{name}", getattr(self, name), 1)
+        if self.minutes is not None:
+            check_real("train.minutes", self.minutes, 0.0, math.inf, low_open=True,
+                       high_open=True)
+        for name in ("seed", "eval_seed"):
+            check_int(f"train.{name}", getattr(self, name), 0, SEED_LIMIT - 1)
+        for name in ("devices", "eval_rows"):
+            if getattr(self, name) is not None:
+                check_int(f"train.{name}", getattr(self, name), 1)
+        check_bool("train.fsdp", self.fsdp)
+        check_int("train.prefetch", self.prefetch, 0)
+        if not isinstance(self.extended_from, tuple):  # JSON gives a list
+            object.__setattr__(self, "extended_from", tuple(self.extended_from))
+        for step in self.extended_from:
+            check_int("train.extended_from", step, 1, self.steps - 1)
         if self.batch_size % self.microbatches:
             raise ValueError(
                 f"train.batch_size={self.batch_size} is not divisible by "
@@ -177,10 +214,20 @@ def resolve(
     preset: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     vocab_size: int | None = None,
+    run_model: ModelConfig | None = None,
 ) -> RunConfig:
-    """Defaults ← preset ← TOML file ← ``--set`` overrides ← the dataset's vocabulary size."""
+    """Defaults ← preset ← TOML file ← ``--set`` overrides ← the dataset's vocabulary size.
+
+    ``run_model`` is an existing run's saved model section: re-running into that run starts
+    from it instead of the default preset, so the same command resumes (also a run whose model
+    came from ``--init-from``); an explicit ``--preset`` or ``model.*`` override still applies
+    and is then checked against the run like any other difference.
+    """
     data: dict[str, dict] = {name: {} for name in SECTIONS}
-    data["model"].update(_preset_fields(preset or "small"))
+    if run_model is not None:
+        data["model"].update(dataclasses.asdict(run_model))
+    if run_model is None or preset is not None:
+        data["model"].update(_preset_fields(preset or "small"))
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():

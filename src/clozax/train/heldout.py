@@ -88,38 +88,93 @@ def eval_masks_sha256(masks: EvalMasks) -> str:
     return h.hexdigest()
 
 
-def save_eval_masks(run_dir: Path, masks: EvalMasks, eval_seed: int) -> str:
-    digest = eval_masks_sha256(masks)
-    buffer = io.BytesIO()
-    np.savez(buffer, **masks._asdict())
-    files.write_bytes(run_dir / EVAL_MASKS_FILE, buffer.getvalue())
+class EvalMasksUnreadable(ValueError):
+    """The eval-mask file is missing or damaged (not modified: that is a plain ValueError)."""
+
+
+def save_eval_masks(run_dir: Path, masks: EvalMasks, *, eval_seed: int, fingerprint: str,
+                    seq_len: int) -> dict:
+    """Write the set and its description as one file, atomically (``eval_masks.npz`` holds the
+    arrays and the metadata), then a readable copy of the metadata (``eval_masks.json``).
+    Returns the metadata."""
     meta = {
-        "sha256": digest,
+        "sha256": eval_masks_sha256(masks),
         "eval_seed": eval_seed,
+        "dataset_fingerprint": fingerprint,
+        "seq_len": seq_len,
         "rows": int(masks.rows.size),
         "selected": int(masks.valid.sum()),
         "chunk": EVAL_MASK_CHUNK,
         "schedule": "chunk c of the held-out rows uses fold_in(key(eval_seed), c); "
         "rows are the first `rows` held-out rows",
     }
+    buffer = io.BytesIO()
+    np.savez(buffer, **masks._asdict(), meta=np.array(json.dumps(meta, sort_keys=True)))
+    files.write_bytes(run_dir / EVAL_MASKS_FILE, buffer.getvalue())
     files.write_json(run_dir / EVAL_MASKS_META, meta)
-    return digest
+    return meta
 
 
-def load_eval_masks(run_dir: Path) -> tuple[EvalMasks, dict]:
-    """Load and verify the stored eval-mask set against its recorded sha256."""
-    path, meta_path = run_dir / EVAL_MASKS_FILE, run_dir / EVAL_MASKS_META
-    if not path.is_file() or not meta_path.is_file():
-        raise ValueError(f"run {run_dir} has no frozen eval-mask set; train it with `clozax train`")
-    with np.load(path, allow_pickle=False) as f:
-        masks = EvalMasks(*(f[name] for name in EvalMasks._fields))
-    meta = json.loads(meta_path.read_text())
-    if eval_masks_sha256(masks) != meta["sha256"]:
+def load_eval_masks(run_dir: Path, dataset=None) -> tuple[EvalMasks, dict]:
+    """Load the stored eval-mask set and verify it against its recorded sha256, and, given the
+    ``dataset`` it is used with, against that dataset's fingerprint and ``seq_len``."""
+    path = Path(run_dir) / EVAL_MASKS_FILE
+    if not path.is_file():
+        raise EvalMasksUnreadable(f"run {run_dir} has no frozen eval-mask set ({path.name}); "
+                                  "`clozax train` or `clozax evaluate` builds it")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            masks = EvalMasks(*(np.asarray(f[name]) for name in EvalMasks._fields))
+            meta = json.loads(str(f["meta"]))
+    except Exception as e:  # BadZipFile, EOFError, KeyError, ValueError, OSError, ...
+        raise EvalMasksUnreadable(f"{path} is damaged ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    if eval_masks_sha256(masks) != meta.get("sha256"):
         raise ValueError(
             f"eval-mask set in {run_dir} does not match its recorded sha256; it was modified — "
-            "restore it or delete both eval_masks files to rebuild them"
+            f"restore it, or delete {EVAL_MASKS_FILE} to have it rebuilt from the eval seed"
+        )
+    if dataset is not None and (meta.get("dataset_fingerprint"), meta.get("seq_len")) != (
+            dataset.fingerprint, dataset.seq_len):
+        raise ValueError(
+            f"the eval-mask set of {run_dir} was built on dataset "
+            f"{str(meta.get('dataset_fingerprint'))[:12]} (seq_len {meta.get('seq_len')}), not "
+            f"{dataset.path} {dataset.fingerprint[:12]} (seq_len {dataset.seq_len}); use the "
+            "dataset the run was trained on"
         )
     return masks, meta
+
+
+def ensure_eval_masks(run_dir: Path, dataset, masker, eval_seed: int,
+                      max_rows: int | None = None, say=None) -> tuple[EvalMasks, dict]:
+    """The run's eval-mask set: loaded when intact; built when missing or damaged (a kill
+    while writing, a truncated file) — deterministically from the eval seed, so a rebuilt set
+    has the sha256 ``eval_masks.json`` recorded before, which is checked."""
+    run_dir = Path(run_dir)
+    try:
+        masks, meta = load_eval_masks(run_dir, dataset)
+        if files.read_json(run_dir / EVAL_MASKS_META) != meta:  # the readable copy
+            files.write_json(run_dir / EVAL_MASKS_META, meta)
+        return masks, meta
+    except EvalMasksUnreadable as e:
+        damaged = (run_dir / EVAL_MASKS_FILE).exists()
+        recorded = (files.read_json(run_dir / EVAL_MASKS_META) or {}).get("sha256")
+        masks = build_eval_masks(dataset.heldout, masker, eval_seed, max_rows)
+        sha = eval_masks_sha256(masks)
+        if recorded is not None and sha != recorded:
+            raise ValueError(f"{e}; rebuilding it from eval seed {eval_seed} gave sha256 "
+                             f"{sha[:12]}, not the recorded {recorded[:12]}: the run's "
+                             "settings or data changed") from None
+        meta = save_eval_masks(run_dir, masks, eval_seed=eval_seed,
+                               fingerprint=dataset.fingerprint, seq_len=dataset.seq_len)
+        if (damaged or recorded is not None) and say is not None:
+            say(f"{e}; rebuilt it from eval seed {eval_seed} (sha256 {sha[:12]}, as recorded)"
+                if recorded else f"{e}; rebuilt it from eval seed {eval_seed}")
+        return masks, meta
+
+
+class NonFiniteScores(ValueError):
+    """The model produced non-finite logits on held-out positions: it has diverged."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +185,18 @@ class EvalSums:
     correct: np.ndarray
     top5: np.ndarray
     count: np.ndarray
+    nonfinite: np.ndarray  # positions whose logits were not all finite (scored as wrong)
 
     def metrics(self) -> dict:
+        """Loss, accuracy, top-5, perplexity and counts, overall and ``by_kind``. Non-finite
+        scores are never a result: ``NonFiniteScores`` names how many positions had them."""
+        bad = int(self.nonfinite[0])
+        if bad or not np.isfinite(self.nll[0]):
+            raise NonFiniteScores(
+                f"the model's logits are not finite at {bad} of {int(self.count[0])} held-out "
+                "positions (its parameters diverged); use an earlier checkpoint, or retrain with "
+                "a lower optim.learning_rate")
+
         def one(i):
             n = int(self.count[i])
             if n == 0:
@@ -152,7 +217,8 @@ class EvalSums:
 
 
 def make_eval_fn(model_config):
-    """Jitted per-batch sums: (params, batch) -> (nll, correct, top5, count), each (4,)."""
+    """Jitted per-batch sums: (params, batch) -> (nll, correct, top5, count, nonfinite),
+    each (4,)."""
 
     def fn(params, inputs, segments, positions, targets, valid, kinds):
         logits = model_lib.logits_at(params, model_config, inputs, segments, positions)
@@ -164,6 +230,7 @@ def make_eval_fn(model_config):
             jnp.sum(stack & (scores.rank == 0)[None], axis=(1, 2)),
             jnp.sum(stack & (scores.rank < 5)[None], axis=(1, 2)),
             jnp.sum(stack, axis=(1, 2)),
+            jnp.sum(stack & ~scores.finite[None], axis=(1, 2)),
         )
 
     return jax.jit(fn)
@@ -174,7 +241,7 @@ def evaluate_masks(params, model_config, split, masks: EvalMasks, batch_size: in
     """Sum the eval metrics over the whole eval-mask set (fixed batch shape; padded tail: padded
     rows have no valid slot, so they add nothing to any sum)."""
     eval_fn = eval_fn or make_eval_fn(model_config)
-    sums = [np.zeros(4, np.float64) for _ in range(4)]
+    sums = [np.zeros(4, np.float64) for _ in EvalSums.__dataclass_fields__]
     take = functools.partial(mask_arrays, split, masks, with_kinds=True)
     for _, arrays in padded_batches(masks.rows.size, batch_size, take):
         for acc, value in zip(sums, eval_fn(params, *arrays), strict=True):

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from clozax.core import files
 from clozax.core import model as model_lib
+from clozax.core.model_config import runnable_here
 from clozax.core.pipeline import (
     Keys,
     TrainState,
@@ -47,13 +48,30 @@ class TrainingDiverged(ValueError):
     """A non-finite loss or gradient norm; the last good checkpoint is kept."""
 
 
-def check_compatible(run_dir: Path, config: RunConfig, dataset) -> RunConfig:
-    """Refuse to resume into a run whose results-relevant config, tokenizer or data differ."""
+def check_compatible(run_dir: Path, config: RunConfig, dataset,
+                     extend_to: int | None = None) -> tuple[RunConfig, bool]:
+    """Refuse to resume into a run whose results-relevant config, tokenizer or data differ.
+
+    Returns the config to continue with and whether it extends the run: with ``extend_to``
+    beyond the run's ``train.steps``, a finished run continues to ``extend_to`` steps with its
+    schedule re-created for the new length (recorded in ``train.extended_from``).
+    """
     saved = config_lib.load_json(run_dir / CONFIG_FILE)
     run = json.loads((run_dir / RUN_FILE).read_text())
     if config.train.minutes is not None and config.train.minutes == saved.train.minutes:
         # The step count was fixed from measured throughput when the run started.
         config = replace(config, train=replace(config.train, steps=saved.train.steps))
+    extending = extend_to is not None and extend_to != saved.train.steps
+    if extend_to is not None:
+        if extend_to < saved.train.steps:
+            raise ValueError(f"--extend-to {extend_to} is below the {saved.train.steps} steps run "
+                             f"{run_dir} already has; pass a larger number")
+        extended = replace(saved.train, steps=extend_to, extended_from=(
+            *saved.train.extended_from, saved.train.steps) if extending else
+            saved.train.extended_from)
+        saved = replace(saved, train=extended)
+        config = replace(config, train=replace(config.train, steps=extend_to,
+                                               extended_from=extended.extended_from))
     diffs = config_lib.result_differences(saved, config)
     if diffs:
         raise ValueError(
@@ -68,9 +86,10 @@ def check_compatible(run_dir: Path, config: RunConfig, dataset) -> RunConfig:
     if run["dataset_fingerprint"] != dataset.fingerprint:
         raise ValueError(
             f"run {run_dir} was trained on dataset {run['dataset_fingerprint'][:12]}, not "
-            f"{dataset.fingerprint[:12]}; resume with the original dataset or a new --out"
+            f"{dataset.path} {dataset.fingerprint[:12]} (re-prepared, or other data); resume "
+            "with the original dataset or choose a new --out"
         )
-    return config
+    return config, extending
 
 
 def validate_run(config: RunConfig, dataset, n_devices: int) -> None:
@@ -118,44 +137,57 @@ def train(
     *,
     resume: bool = False,
     init_from: Path | None = None,
+    extend_to: int | None = None,
     console=None,
     stop_after: int | None = None,
 ) -> TrainResult:
     """Train ``config`` on the dataset at ``data_dir`` into ``run_dir``.
 
     Resume order: read the saved config and check it against this one → rebuild the same
-    optimizer and step → restore (params, opt_state, step) from the latest checkpoint → batches
-    continue at index ``step`` (a pure function of the step) with mask keys ``fold_in(mask_key,
-    step)``, so the continued run is bitwise the uninterrupted one.
+    optimizer and step → restore (params, opt_state, step) from the newest intact checkpoint →
+    batches continue at index ``step`` (a pure function of the step) with mask keys
+    ``fold_in(mask_key, step)``, so the continued run is bitwise the uninterrupted one.
     ``init_from`` starts a new run from another run's latest parameters (continued
     pretraining, e.g. from ``clozax import-hf``): its model config is adopted and its tokenizer
-    must be the dataset's. ``stop_after`` ends the loop early (for tests) without changing the
-    schedule.
+    must be the dataset's. ``extend_to`` continues a finished run to that many steps (see
+    ``check_compatible``). ``stop_after`` ends the loop early (for tests) without changing the
+    schedule. The updated parameters are checked to be finite after every step, so no
+    checkpoint ever holds a diverged model.
     """
 
-    # --- data
+    # --- data and the run's config
     dataset = open_dataset(data_dir)
-    config = config_lib.from_dict(
-        {**config.to_dict(), "model": {**config.to_dict()["model"],
-                                        "vocab_size": dataset.vocab_size}}
-    )
+    config = config.replace(model=replace(config.model, vocab_size=dataset.vocab_size))
     run_dir = Path(run_dir)
     existing = (run_dir / CONFIG_FILE).is_file()
-    init_run = None
-    if init_from is not None and not existing:
-        init_run = load_run(init_from)
-        if init_run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
-            raise ValueError(
-                f"--init-from {init_from} uses a different tokenizer than dataset {data_dir}; "
-                f"prepare the data with `clozax prepare --tokenizer {init_from}/tokenizer.json`"
-            )
-        config = replace(config, model=init_run.config.model)
+    init_run, extending = None, False
+    log = TrainLog(run_dir, console=console)
     if existing:
-        config = check_compatible(run_dir, config, dataset)
-    elif run_dir.exists() and any(run_dir.iterdir()):
-        raise ValueError(
-            f"output directory {run_dir} exists and is not a clozax run; choose a new --out"
-        )
+        config, extending = check_compatible(run_dir, config, dataset, extend_to)
+        here = runnable_here(config.model)
+        if here != config.model:
+            log.info(f"model.attention={config.model.attention!r} cannot run on this machine; "
+                     f"using {here.attention!r} (the same maths)")
+            config = config.replace(model=here)
+    else:
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise ValueError(
+                f"output directory {run_dir} exists and is not a clozax run; choose a new --out"
+            )
+        if extend_to is not None:
+            raise ValueError(f"--extend-to needs an existing run in {run_dir}; train it first")
+        if init_from is not None:
+            init_run = load_run(init_from)
+            if init_run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
+                raise ValueError(
+                    f"--init-from {init_from} uses a different tokenizer than dataset {data_dir}"
+                    f"; prepare the data with `clozax prepare --tokenizer {init_from}/"
+                    "tokenizer.json`"
+                )
+            config = replace(config, model=init_run.config.model)
+        if runnable_here(config.model) != config.model:
+            raise ValueError(f"model.attention={config.model.attention!r} needs an NVIDIA GPU "
+                             f"(this machine runs {jax.default_backend()}); use 'auto'")
     mesh = make_mesh(config.train.devices)
     n_devices = mesh.devices.size
     validate_run(config, dataset, n_devices)
@@ -164,7 +196,6 @@ def train(
     keys = Keys.from_seed(config.train.seed)
     replicated = NamedSharding(mesh, P())
     data_sharding = NamedSharding(mesh, P("data"))
-    log = TrainLog(run_dir, console=console)
 
     # --- init
     params = init_params(config.model, config.train.seed)
@@ -186,13 +217,15 @@ def train(
     def device_batch(i: int) -> dict:
         rows = batch_rows(keys.data, i, dataset.train.rows, config.train.batch_size)
         batch = host_batch(dataset.train, rows)
-        # Validate before the jitted step: a row with no eligible token would select nothing.
+        # Impossible for a dataset of this format (prepare skips documents without a
+        # selectable token); checked before the jitted step, which would select nothing.
         eligible = ~special_table[batch["tokens"]] & (batch["segments"] > 0)
         empty = ~eligible.any(axis=1)
         if empty.any():
             raise ValueError(
                 f"training row {int(rows[np.argmax(empty)])} of {data_dir} has no eligible "
-                "(non-pad, non-special) token, so nothing can be selected; re-run prepare"
+                "(non-pad, non-special) token, so nothing can be selected; the dataset is "
+                "damaged: re-run `clozax prepare`"
             )
         return jax.device_put(batch, data_sharding)
 
@@ -202,6 +235,15 @@ def train(
         config = replace(config, train=replace(config.train, steps=steps))
         optimizer, schedule = make_optimizer(config.optim, steps, params)
         step_fn = compile_step(optimizer, schedule)
+
+    # --- checkpoints: an extension needs a finished run
+    checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
+    if extending:
+        done, before = checkpointer.latest_step(), config.train.extended_from[-1]
+        if done != before:
+            checkpointer.close()
+            raise ValueError(f"run {run_dir} has not finished (step {done} of {before}); resume "
+                             f"it with its own command first, then --extend-to {extend_to}")
 
     # --- run directory and frozen eval masks
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -217,31 +259,37 @@ def train(
             "init_from": str(Path(init_from).absolute()) if init_from else None,
         })
         files.write_bytes(run_dir / TOKENIZER_FILE, dataset.tokenizer_path.read_bytes())
+    elif extending:
+        files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
+        log.info(f"extending run {run_dir} from {config.train.extended_from[-1]} to "
+                 f"{config.train.steps} steps (schedule re-created for {config.train.steps})")
     masker = make_masker(config.masking, vocab, seq_len)
-    masks_exist = (run_dir / heldout.EVAL_MASKS_FILE).is_file()
-    if masks_exist:
-        eval_masks, _ = heldout.load_eval_masks(run_dir)
-    else:
-        eval_masks = heldout.build_eval_masks(
-            dataset.heldout, masker, config.train.eval_seed, config.train.eval_rows
-        )
-        heldout.save_eval_masks(run_dir, eval_masks, config.train.eval_seed)
+    eval_masks, _ = heldout.ensure_eval_masks(run_dir, dataset, masker, config.train.eval_seed,
+                                              config.train.eval_rows, say=log.info)
     eval_fn = heldout.make_eval_fn(config.model)
 
+    def evaluate(params) -> dict:
+        try:
+            return heldout.evaluate_masks(params, config.model, dataset.heldout, eval_masks,
+                                          eval_fn=eval_fn).metrics()
+        except heldout.NonFiniteScores as e:
+            raise TrainingDiverged(f"{e}; the last good checkpoint is step "
+                                   f"{checkpointer.latest_step()}") from None
+
     # --- restore
-    checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
-    start = checkpointer.latest_step()
-    if start is not None:
-        state, _ = checkpointer.restore(start, ckpt.abstract_like(state))
+    try:
+        restored = checkpointer.restore_latest(ckpt.abstract_like(state), say=log.info,
+                                              set_aside=True)
+    except BaseException:
+        checkpointer.close()
+        raise
+    start = 0  # a run directory whose first checkpoint never landed starts again
+    if restored is not None:
+        state, _, start = restored
         if start >= config.train.steps:
             checkpointer.close()
             log.info(f"run {run_dir} already completed {start} steps; nothing to do")
-            last = heldout.evaluate_masks(
-                state.params, config.model, dataset.heldout, eval_masks, eval_fn=eval_fn
-            ).metrics()
-            return TrainResult(run_dir, start, math.nan, last, state)
-    # A run directory whose first checkpoint never landed starts again from step 0.
-    start = start or 0
+            return TrainResult(run_dir, start, math.nan, evaluate(state.params), state)
     n_params = model_lib.param_count(params)
     log.header(
         devices=n_devices, platform=jax.devices()[0].platform, dtype=config.model.compute_dtype,
@@ -264,11 +312,12 @@ def train(
             step = i + 1
             # Impossible by construction (every row has an eligible token); asserted cheaply.
             assert int(metrics["selected"]) > 0, f"empty selection at step {step}"
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            if not bool(metrics["finite"]):
                 raise TrainingDiverged(
-                    f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; the "
-                    f"last good checkpoint (step {checkpointer.latest_step()}) is kept: lower "
-                    "optim.learning_rate or raise optim.warmup_steps"
+                    f"non-finite loss ({loss}), gradient norm ({grad_norm}) or updated "
+                    f"parameters at step {step}; the last good checkpoint (step "
+                    f"{checkpointer.latest_step()}) is kept: lower optim.learning_rate or raise "
+                    "optim.warmup_steps"
                 )
             steps_since += 1
             record = None
@@ -283,9 +332,7 @@ def train(
                 }
                 t_last, steps_since = now, 0
             if step % config.train.eval_every == 0 or step == config.train.steps:
-                last_eval = heldout.evaluate_masks(
-                    state.params, config.model, dataset.heldout, eval_masks, eval_fn=eval_fn
-                ).metrics()
+                last_eval = evaluate(state.params)
                 record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
                 record["eval"] = last_eval
             if record is not None:
@@ -294,9 +341,13 @@ def train(
                 checkpointer.save(step, state, {"step": step, "config": config.to_dict()})
             log.advance(step, loss)
     finally:
-        prefetch.close()
-        log.stop()
-        checkpointer.close()
+        # Best effort: a failing close (a full disk under TensorBoard, say) must never hide
+        # the error that ended the loop.
+        for close in (prefetch.close, log.stop, checkpointer.close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
     return TrainResult(run_dir, int(state.step), loss, last_eval, state)
 
 

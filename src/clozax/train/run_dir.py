@@ -11,6 +11,7 @@ tokenizer sha256, specials, seeds), ``tokenizer.json`` (the frozen tokenizer), `
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from clozax import __version__
 from clozax.core import files
 from clozax.core import model as model_lib
+from clozax.core.model_config import runnable_here
 from clozax.core.pipeline import TrainState, make_optimizer
 from clozax.data.dataset import Dataset, open_dataset
 from clozax.train import checkpoint as ckpt
@@ -76,11 +78,14 @@ def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
             "by `clozax train` or `clozax import-hf`"
         )
     try:
-        return config_lib.load_json(cfg_path), json.loads(info_path.read_text())
+        config, info = config_lib.load_json(cfg_path), json.loads(info_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{cfg_path} or run.json is not valid JSON ({e}); the run is damaged"
         ) from None
+    # Speed-only settings are the loading machine's business: a run trained anywhere loads
+    # anywhere (e.g. model.attention="cudnn" runs as "auto" on a CPU).
+    return config.replace(model=runnable_here(config.model)), info
 
 
 def abstract_state(config: config_lib.RunConfig):
@@ -98,7 +103,9 @@ def abstract_state(config: config_lib.RunConfig):
 
 
 def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
-    """Load a run's config, provenance and the parameters of ``step`` (default: latest)."""
+    """Load a run's config (speed-only settings resolved for this machine), provenance and the
+    parameters of ``step`` (default: the newest intact checkpoint; a damaged newer one is
+    skipped with one line on stderr)."""
     run_dir = Path(run_dir)
     config, info = read_config(run_dir)
     checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
@@ -108,24 +115,34 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
             raise ValueError(
                 f"run {run_dir} has no checkpoint yet; train it (or let a save complete) first"
             )
-        chosen = max(steps) if step is None else step
-        if chosen not in steps:
+        if step is None:
+            state, _, chosen = checkpointer.restore_latest(abstract_state(config), say=warn)
+        elif step not in steps:
             raise ValueError(f"run {run_dir} has no checkpoint at step {step}; it has {steps}")
-        state, _ = checkpointer.restore(chosen, abstract_state(config))
+        else:
+            chosen = step
+            state, _ = checkpointer.restore(step, abstract_state(config))
     finally:
         checkpointer.close()
     return LoadedRun(run_dir, config, info, chosen, state.params)
 
 
-def open_run_dataset(run: LoadedRun) -> Dataset:
-    """The dataset a loaded run was trained on, checked against the run's provenance."""
-    path = Path(run.info.get("dataset", ""))
-    if not run.info.get("dataset") or not path.is_dir():
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_dataset) -> Dataset:
+    """The dataset a loaded run was trained on (or the one at ``path``), refused unless it is
+    that same dataset: fingerprint (which covers the split, ``seq_len``, tokenizer and every
+    data file), tokenizer, vocabulary and length must all agree with the run's provenance."""
+    recorded = run.info.get("dataset")
+    path = Path(path if path is not None else recorded or "")
+    if not str(path) or str(path) == "." or not path.is_dir():
         raise ValueError(
-            f"run {run.path} was trained on dataset {str(path)!r}, which does not exist here; "
-            "restore that directory (or re-run `clozax prepare` with the same options)"
+            f"run {run.path} was trained on dataset {str(recorded)!r}, which does not exist "
+            "here; restore that directory (or re-run `clozax prepare` with the same options)"
         )
-    dataset = open_dataset(path)
+    dataset = opener(path)
     mismatches = []
     if run.info.get("dataset_fingerprint") != dataset.fingerprint:
         mismatches.append(f"fingerprint {str(run.info.get('dataset_fingerprint'))[:12]} vs "
@@ -141,6 +158,6 @@ def open_run_dataset(run: LoadedRun) -> Dataset:
     if mismatches:
         raise ValueError(
             f"checkpoint whose config does not match the data: run {run.path} vs dataset {path} "
-            f"({'; '.join(mismatches)}); evaluate with the dataset the run was trained on"
+            f"({'; '.join(mismatches)}); use the dataset the run was trained on"
         )
     return dataset

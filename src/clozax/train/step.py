@@ -96,13 +96,22 @@ def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimize
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
         metrics = {
             "loss": total / denom,
             "loss_sum": total,
             "selected": count,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state.step),
+            # Checked on the host before anything is logged or saved: a diverged update
+            # (an infinite learning rate, an overflow) must never reach a checkpoint.
+            "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm) & all_finite(params),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step
+
+
+def all_finite(tree) -> jax.Array:
+    """() bool: every element of every array of ``tree`` is finite (one reduction each)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

@@ -26,6 +26,8 @@ Checks, numbered as printed (``CHECKS``):
 12 eval_masks              the stored eval-mask set's sha256 matches, and rebuilding it from the
                            eval key reproduces it
 13 empty_selection         an empty selection is rejected on the host with a clear ValueError
+14 data_identity           every data file's bytes match the sha256 recorded at prepare time,
+                           and the fingerprint hashes the manifest's identity
 """
 
 from clozax.judge.audit.data_checks import open_dataset_for_audit

@@ -8,9 +8,17 @@ from pathlib import Path
 
 import numpy as np
 
-from clozax.data.dataset import ARRAYS, Dataset, Split, open_dataset
+from clozax.core.files import file_sha256
+from clozax.data.dataset import (
+    ARRAYS,
+    DATA_FILES,
+    Dataset,
+    Split,
+    fingerprint,
+    open_dataset,
+    verify_files,
+)
 from clozax.data.split import SPLITS
-from clozax.data.tokenizer import file_sha256
 from clozax.judge.audit.pipeline import CheckResult, Pipeline, default_masker
 from clozax.train import heldout
 
@@ -133,3 +141,18 @@ def check_packing_accounting(dataset: Dataset) -> CheckResult:
                        f"read {d['read']} = kept {d['kept']} + duplicates {d['duplicates']} + "
                        f"skipped {d['skipped']}; rows x {seq_len} = tokens + pad in both "
                        "splits; arrays and documents.jsonl agree with the manifest")
+
+
+def check_data_identity(dataset: Dataset) -> CheckResult:
+    """Every byte of every data file against the sha256 the manifest recorded at prepare time,
+    and the fingerprint against the identity it hashes (opening checks only sizes)."""
+    problems = verify_files(dataset)
+    if fingerprint(dataset.manifest["identity"]) != dataset.fingerprint:
+        problems.insert(0, "the fingerprint does not hash the manifest's identity")
+    value = {"fingerprint": dataset.fingerprint, "files": len(DATA_FILES),
+             "mismatches": problems}
+    if problems:
+        return CheckResult("data_identity", False, value, "; ".join(problems))
+    return CheckResult("data_identity", True, value,
+                       f"{len(DATA_FILES)} data files match their sha256; fingerprint "
+                       f"{dataset.fingerprint[:12]} hashes the identity")

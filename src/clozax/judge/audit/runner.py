@@ -24,6 +24,7 @@ from clozax.judge.audit.accumulation_checks import (
 )
 from clozax.judge.audit.data_checks import (
     check_data_disjoint,
+    check_data_identity,
     check_eval_masks,
     check_packing_accounting,
     check_tokenizer,
@@ -53,15 +54,15 @@ from clozax.judge.audit.pipeline import (
     train_batches,
 )
 from clozax.train.config import RunConfig
-from clozax.train.run_dir import load_run
+from clozax.train.run_dir import load_run, open_run_dataset
 
 AUDIT_FILE = "audit.json"
 CHECKS = (
     "no_leak", "corruption_mix", "initial_loss", "unselected_zero_grad", "analytic_gradient",
     "microbatch_accumulation", "device_accumulation", "eligibility", "data_disjoint",
-    "tokenizer", "packing_accounting", "eval_masks", "empty_selection",
+    "tokenizer", "packing_accounting", "eval_masks", "empty_selection", "data_identity",
 )
-DATA_CHECKS = ("data_disjoint", "tokenizer", "packing_accounting")
+DATA_CHECKS = ("data_disjoint", "tokenizer", "packing_accounting", "data_identity")
 
 
 def _safe(name: str, fn) -> CheckResult:
@@ -144,6 +145,7 @@ def run(
                                else CheckResult("eval_masks", True, "skipped",
                                                 "SKIP: no run directory given", skipped=True)),
         "empty_selection": lambda: check_empty_selection(pipe, batch0),
+        "data_identity": lambda: check_data_identity(dataset),
     }
     return _report([_safe(name, checks[name]) for name in wanted],
                    run=run_dir, data=dataset.path)
@@ -183,11 +185,7 @@ def audit_run(run_dir: Path, data: Path | None = None, *, batches: int = 200,
     """
     start = time.perf_counter()
     loaded = load_run(Path(run_dir))
-    data = Path(data) if data is not None else Path(loaded.info["dataset"])
-    if not data.is_dir():
-        raise ValueError(f"run {run_dir} was trained on {data}, which does not exist; pass "
-                         "--data DIR with the same prepared dataset")
-    dataset = open_dataset_for_audit(data)
+    dataset = open_run_dataset(loaded, data, opener=open_dataset_for_audit)
     report = run(loaded.config, dataset, params=loaded.params, run_dir=loaded.path,
                  batches=batches, devices=devices)
     report["step"] = loaded.step
@@ -204,6 +202,7 @@ def audit_data(data_dir: Path, out: Path | None = None) -> dict:
         ("data_disjoint", lambda: check_data_disjoint(dataset)),
         ("tokenizer", lambda: check_tokenizer(dataset)),
         ("packing_accounting", lambda: check_packing_accounting(dataset)),
+        ("data_identity", lambda: check_data_identity(dataset)),
     )]
     report = _report(results, run=None, data=dataset.path)
     report["seconds"] = round(time.perf_counter() - start, 2)
