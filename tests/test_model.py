@@ -351,3 +351,48 @@ def test_every_cpu_attention_choice_gives_the_same_hidden_states(batch):
                         batch["inputs"], batch["mask"]) for a in ("auto", "einsum", "xla")]
     for out in outs[1:]:
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), rtol=1e-5, atol=1e-5)
+
+
+SPEED_VARIANTS = {  # name: (config overrides, apply keywords); each must change no number
+    "rolled scan": ({}, {"unroll": 1}),
+    "scan unrolled by 2": ({"unroll": 2}, {}),
+    "remat per block": ({"remat": "block"}, {}),
+    "remat keeping dots": ({"remat": "dots"}, {}),
+    "padded query slots": ({}, {"query_multiple": 8}),
+}
+
+
+@pytest.mark.parametrize("variant", SPEED_VARIANTS)
+def test_speed_settings_give_the_same_values_and_gradients(batch, variant):
+    """Scan unrolling, remat and the cuDNN query padding of the sparse last block (3 slots
+    padded to 8 here, as cuDNN needs an even count) are speed-only: same hidden states and
+    parameter gradients to float32 rounding."""
+    overrides, keywords = SPEED_VARIANTS[variant]
+    base = _config(layers=3)
+    params = model.init(base, jax.random.key(1))
+    args = (jnp.asarray(batch["inputs"]), jnp.asarray(batch["mask"]),
+            jnp.asarray(batch["segments"]))
+    positions = jnp.asarray(batch["positions"])[:, :3]
+
+    def loss(config, **kw):
+        def f(p):
+            return jnp.sum(jnp.sin(model.apply(p, config, *args, positions=positions, **kw)))
+
+        return jax.jit(jax.value_and_grad(f))(params)
+
+    (la, ga) = loss(base)
+    (lb, gb) = loss(_config(layers=3, **overrides), **keywords)
+    np.testing.assert_allclose(lb, la, rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ga))
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"unroll": 0}, "model.unroll=0 is not a positive integer"),
+    ({"unroll": True}, "model.unroll=True is not a positive integer"),
+    ({"remat": "all"}, "model.remat='all' is not one of"),
+])
+def test_speed_settings_are_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**overrides)

@@ -43,6 +43,9 @@ from clozax.core import kernels
 from clozax.core.model_config import ModelConfig
 
 Params = dict[str, Any]
+# cuDNN's fused attention refuses an odd query length in training; the sparse last block's
+# query slots are padded to a multiple of this (a multiple of 8 also suits tensor cores).
+CUDNN_QUERY_MULTIPLE = 8
 
 
 # ----------------------------------------------------------------------------- init
@@ -168,6 +171,15 @@ def _block(x, p, mask, lengths, config: ModelConfig, rows=None):
     return x
 
 
+def _remat(block, policy: str):
+    """``block`` under ``jax.checkpoint`` for ``model.remat`` (speed and memory only)."""
+    if policy == "none":
+        return block
+    saveable = {"block": jax.checkpoint_policies.nothing_saveable,
+                "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
+    return jax.checkpoint(block, policy=saveable, static_argnums=(4,))
+
+
 def _fused_layers(layers: Params) -> Params:
     """Stacked per-layer parameters for the scan, with query/key/value fused along ``out``."""
     att = layers["attention"]
@@ -232,7 +244,8 @@ def apply(
     segments: jax.Array | None = None,
     *,
     positions: jax.Array | None = None,
-    unroll: int | bool = True,
+    unroll: int | bool | None = None,
+    query_multiple: int | None = None,
 ) -> jax.Array:
     """Final hidden states, float32 for either compute dtype.
 
@@ -248,11 +261,17 @@ def apply(
     still come from every position), which is all an MLM loss at selected positions needs.
     For the small preset that skips 18 % of the encoder's matmul work.
 
-    ``unroll`` is a speed-only setting passed to ``jax.lax.scan`` over the layers: ``True``
-    (the default) unrolls every block, so XLA schedules and fuses across layers (on 2-core CPU
-    the small preset's train step ran 13 % faster, measured side by side with
+    ``unroll`` (default ``config.unroll``) is passed to ``jax.lax.scan`` over the layers:
+    ``True`` unrolls every block, so XLA schedules and fuses across layers (on 2-core CPU the
+    small preset's train step ran 13 % faster, measured side by side with
     ``benchmarks/compare_hf.py``; compile time grows with depth); ``1`` keeps one compiled block
     (fast compile for deep models). Results agree to float32 rounding, not bitwise.
+    ``config.remat`` recomputes activations in the backward (``jax.checkpoint``), same values.
+
+    ``query_multiple`` pads the last block's query slots to a multiple of it (default 8 with
+    ``attention="cudnn"``, whose training kernel refuses an odd query count, e.g. 19 slots at
+    rate 0.15 of 128): the padded slots repeat position 0 and their outputs are dropped, so
+    values and gradients are those of the unpadded block.
     """
     inputs, attention_mask = jnp.asarray(inputs), jnp.asarray(attention_mask)
     segments = None if segments is None else jnp.asarray(segments)
@@ -268,8 +287,11 @@ def apply(
     x = emb["word"][inputs] + emb["position"][None, :seq]  # (batch, seq, hidden) float32
     x = _layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
 
+    block = _remat(_block, c.remat)
+    unroll = (True if c.unroll is None else c.unroll) if unroll is None else unroll
+
     def step(x, p):
-        return _block(x, p, mask, lengths, c), None
+        return block(x, p, mask, lengths, c), None
 
     layers = _fused_layers(params["layers"])
     if positions is None:
@@ -285,7 +307,10 @@ def apply(
             first = jax.tree_util.tree_map(lambda a: a[:-1], layers)
             x, _ = jax.lax.scan(step, x, first, unroll=unroll)
         last = jax.tree_util.tree_map(lambda a: a[-1], layers)
-        x = _block(x, last, attention_lib.rows_mask(mask, positions), lengths, c, rows=positions)
+        count = positions.shape[1]
+        multiple = query_multiple or (CUDNN_QUERY_MULTIPLE if c.attention == "cudnn" else 1)
+        rows = jnp.pad(positions, ((0, 0), (0, -count % multiple)))  # padded slots: position 0
+        x = block(x, last, attention_lib.rows_mask(mask, rows), lengths, c, rows)[:, :count]
     if c.layer_norm == "pre":
         x = _layer_norm(x, params["final_norm"], c.layer_norm_eps)
     return x

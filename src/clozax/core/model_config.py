@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from clozax.core import attention as attention_lib
 
 LAYER_NORMS = ("pre", "post")
+REMAT_POLICIES = ("none", "block", "dots")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -31,6 +32,13 @@ class ModelConfig:
     compute_dtype: str = "float32"  # or "bfloat16"; parameters are always float32
     # Speed-only: how attention is computed (see ``_attention``); every choice is the same math.
     attention: str = "auto"
+    # Speed-only: ``jax.lax.scan`` unroll over the blocks (None: every block unrolled, which
+    # measured fastest on CPU, +13 %, and on an H200, +27 % over unroll=1, at the price of
+    # compile time that the persistent compilation cache pays once).
+    unroll: int | None = None
+    # Speed-only: recompute in the backward instead of keeping activations: "none", "block"
+    # (keep only each block's input) or "dots" (keep matmul outputs without batch dimensions).
+    remat: str = "none"
     layer_norm_eps: float = 1e-12
     init_std: float = 0.02
 
@@ -71,6 +79,13 @@ class ModelConfig:
                 "model.attention='cudnn' runs cuDNN's fused kernel, which needs "
                 "model.compute_dtype='bfloat16'; set it, or use model.attention='xla'"
             )
+        if self.unroll is not None and (isinstance(self.unroll, bool)
+                                        or not isinstance(self.unroll, numbers.Integral)
+                                        or self.unroll < 1):
+            raise ValueError(f"model.unroll={self.unroll!r} is not a positive integer; give the "
+                             "blocks per scan step, or leave it unset to unroll every block")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r} is not one of {REMAT_POLICIES}")
         if not isinstance(self.attention_within_segments, bool):
             raise ValueError(
                 f"model.attention_within_segments={self.attention_within_segments!r} is not a "

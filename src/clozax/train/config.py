@@ -173,7 +173,7 @@ SECTIONS = {"model": ModelConfig, "masking": MaskingConfig, "optim": OptimConfig
 SPEED_ONLY = {
     "train.microbatches", "train.devices", "train.fsdp", "train.keep_checkpoints",
     "train.log_every", "train.prefetch", "train.save_every", "train.eval_every",
-    "train.minutes", "model.attention",
+    "train.minutes", "model.attention", "model.unroll", "model.remat",
 }
 
 
