@@ -265,7 +265,8 @@ class ClozaxSide:
 class HFSide:
     """transformers BertForMaskedLM + DataCollatorForLanguageModeling + torch AdamW."""
 
-    def __init__(self, shape: dict, dtype_name: str, rows: Rows, device: str, data: Path | None):
+    def __init__(self, shape: dict, dtype_name: str, rows: Rows, device: str, data: Path | None,
+                 compiled: bool = False):
         import torch
         import transformers
         from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
@@ -282,6 +283,7 @@ class HFSide:
         self.model = BertForMaskedLM(config).to(device)
         self.model.train()
         self.attn_impl = getattr(self.model.config, "_attn_implementation", "?")
+        self.compiled = compiled
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             (no_decay if ("bias" in name or "LayerNorm" in name) else decay).append(p)
@@ -296,6 +298,7 @@ class HFSide:
             _hf_tokenizer(rows, data), mlm=True, mlm_probability=0.15, return_tensors="pt"
         )
         self.autocast = dtype_name == "bf16"
+        self.forward = torch.compile(self.model) if compiled else self.model
         special = np.zeros(rows.vocab, bool)
         special[list(set(rows.specials.values()))] = True
         self.special_table = special
@@ -326,8 +329,8 @@ class HFSide:
         torch = self.torch
         if self.autocast:
             with torch.autocast(self.device, dtype=torch.bfloat16):
-                return self.model(**batch).loss
-        return self.model(**batch).loss
+                return self.forward(**batch).loss
+        return self.forward(**batch).loss
 
     def step(self, index: int) -> None:
         batch = self.collate(index)
@@ -398,14 +401,24 @@ def compare(dtype_name: str, args, rows: Rows, device: str) -> dict:
     cz.step(0)
     first_loss_cz = cz.sync()
     compile_s = time.perf_counter() - t0
-    hf = HFSide(shape, dtype_name, rows, device, args.data)
-    hf.step(0)
+    candidates = {"off": [False], "on": [True], "best": [False, True]}[args.hf_compile]
+    hf_rates = {}
+    for compiled in candidates:  # HF at its best configuration: eager or torch.compile
+        side = HFSide(shape, dtype_name, rows, device, args.data, compiled=compiled)
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            side.step(i)
+            side.sync()
+        first = time.perf_counter() - t0
+        rate = tokens_per_step * args.steps_per_block / time_block(side, 0, args.steps_per_block)
+        hf_rates["torch.compile" if compiled else "eager"] = {"tokens_per_s": rate,
+                                                               "warmup_s": first}
+        if len(candidates) == 1 or rate >= max(r["tokens_per_s"] for r in hf_rates.values()):
+            hf = side
     first_loss_hf = hf.sync()
     for i in range(1, args.warmup):  # warm-up, untimed
         cz.step(i)
         cz.sync()
-        hf.step(i)
-        hf.sync()
     cz.data_seconds = hf.data_seconds = 0.0
     cz_tps, hf_tps, ratios, peaks = [], [], [], []
     peak = MatmulPeak(dtype_name, n=8192 if device == "cuda" else 2048)
@@ -477,6 +490,9 @@ def compare(dtype_name: str, args, rows: Rows, device: str) -> dict:
         "batch": shape["batch"],
         "hf_optimizer": hf.opt_kind,
         "hf_attention": hf.attn_impl,
+        "hf_compiled": hf.compiled,
+        "hf_candidates": hf_rates,
+        "seq": shape["seq"],
     }
 
 
@@ -486,7 +502,7 @@ def _fmt_rate(x: float) -> str:
 
 def print_result(r: dict) -> None:
     b = r["breakdown"]
-    print(f"\n== {r['dtype']} ==")
+    print(f"\n== {r['dtype']}, seq {r['seq']}, batch {r['batch']} ==")
     print(f"  clozax  {r['clozax_tokens_per_s']:10,.0f} tokens/s   blocks "
           + " ".join(f"{x:,.0f}" for x in r["clozax_blocks"]))
     print(f"  HF      {r['hf_tokens_per_s']:10,.0f} tokens/s   blocks "
@@ -511,6 +527,11 @@ def print_result(r: dict) -> None:
         m = r["mfu"]
         print(f"  MFU vs {m['peak_tflops']:g} TFLOP/s: clozax {100 * m['clozax']:.1f} % (useful); "
               f"HF {100 * m['hf_useful']:.1f} % useful, {100 * m['hf_executed']:.1f} % executed")
+    if len(r["hf_candidates"]) > 1:
+        print("  HF candidates (one block after warm-up): " + ", ".join(
+            f"{k} {v['tokens_per_s']:,.0f} tokens/s (warm-up {v['warmup_s']:.0f} s)"
+            for k, v in r["hf_candidates"].items())
+            + f"; compared against {'torch.compile' if r['hf_compiled'] else 'eager'}")
     print(f"  clozax compile + first step {r['clozax_compile_and_first_step_s']:.1f} s;"
           f" first losses clozax {r['first_loss']['clozax']:.3f}, HF {r['first_loss']['hf']:.3f}"
           f"; {r['selected_per_sequence']} selected slots/sequence")
@@ -590,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--synthetic", action="store_true", help="uniform random ids, no data")
     parser.add_argument("--batch", type=int, help="global batch in sequences (default: shape's)")
+    parser.add_argument("--seq", type=int, help="tokens per row (default: shape's; other lengths "
+                        "need --synthetic or a dataset prepared at that length)")
+    parser.add_argument("--hf-compile", choices=["off", "on", "best"], default="off",
+                        help="HF side under torch.compile: off, on, or best (time both after "
+                        "warm-up, compare against the faster)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help='clozax config override, e.g. --set model.attention=\'"cudnn"\'')
     parser.add_argument("--peak-tflops", type=float,
@@ -610,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch < 1:
             parser.error("--batch must be >= 1")
         SHAPES[args.shape] = {**SHAPES[args.shape], "batch": args.batch}
+    if args.seq is not None:
+        if not 8 <= args.seq <= 512:
+            parser.error("--seq must lie in [8, 512] (the presets' max_positions)")
+        SHAPES[args.shape] = {**SHAPES[args.shape], "seq": args.seq}
     if min(args.steps_per_block, args.blocks, args.warmup) < 1:
         parser.error("--steps-per-block, --blocks and --warmup must be >= 1")
 

@@ -6,10 +6,16 @@ directory, so tests never depend on a developer's data/ or runs/ folders.
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Commands run by the tests (in subprocesses too) share one compilation cache of their own,
+# never the user's.
+os.environ.setdefault("CLOZAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="clozax-jax-cache-"))
 
 TINY_OVERRIDES = [
     "train.batch_size=8",

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from clozax.cli import main
 from clozax.core import files
+from clozax.core.pipeline import adam_state
 from clozax.data import open_dataset, prepare
 from clozax.judge.evaluate import evaluate_run
 from clozax.judge.failures import token_piece
@@ -217,7 +218,8 @@ def test_extend_to_continues_a_finished_run_with_a_recorded_schedule(
     assert runs[0].config.train.extended_from == (6,)
     np.testing.assert_array_equal(_flat(runs[0].params), _flat(runs[1].params))
     state, _ = ckpt.Checkpointer(tmp_path / "a").restore(9, abstract_state(runs[0].config))
-    assert int(state.opt_state[-1][0].count) == 9  # AdamW's moments carried on, not reset
+    assert int(adam_state(state.opt_state).count) == 9  # AdamW's moments carried on, not reset
+    assert int(state.opt_state[-1].total_steps) == 9  # the schedule re-created for 9 steps
     result = train_lib.train(stdlib_data, tmp_path / "a", _cfg(), extend_to=9)  # same command
     assert result.steps == 9
     with pytest.raises(ValueError, match="has not finished .step 4 of 6"):

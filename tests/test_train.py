@@ -25,7 +25,7 @@ from clozax.train import config as config_lib
 from clozax.train import heldout as eval_lib
 from clozax.train import loop as train_lib
 from clozax.train import step as step_lib
-from clozax.train.run_dir import load_run
+from clozax.train.run_dir import abstract_state, load_run
 from conftest import TINY_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,11 +82,12 @@ def test_a_mean_of_microbatch_means_would_differ_on_this_batch(stdlib_data):
 
 # Three steps of the tiny preset, the same on every layout the device test compares.
 DEVICE_RUN = ["train.batch_size=8", "train.steps=3", "train.eval_every=3", "train.save_every=3",
-              "train.eval_rows=16", "optim.warmup_steps=1"]
+              "train.eval_rows=16", "train.eval_sample=8", "optim.warmup_steps=1"]
 
 DEVICE_SCRIPT = r"""
 import json, sys
 import jax, numpy as np
+from clozax.core.pipeline import adam_state
 from clozax.train import config as C, loop as T
 from clozax.train.run_dir import load_run
 data, out, base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -96,7 +97,7 @@ for name, n, fsdp in (("1", 1, "false"), ("4", 4, "false"), ("4fsdp", 4, "true")
     r = T.train(data, f"{out}/d{name}", cfg)
     p = load_run(f"{out}/d{name}").params
     word = r.state.params["embeddings"]["word"]
-    mu = r.state.opt_state[-1][0].mu["embeddings"]["word"]
+    mu = adam_state(r.state.opt_state).mu["embeddings"]["word"]
     res[name] = {"loss": r.final_loss, "params": [np.asarray(x).ravel().tolist()
                  for x in jax.tree.leaves(p)][:6], "eval": r.eval["loss"],
                  "word_shape": list(word.shape),
@@ -158,28 +159,52 @@ def _train_cli(data, out, *extra):
             "--set", "optim.warmup_steps=5", *extra]
 
 
-def test_resume_after_sigkill_is_bitwise_identical(stdlib_data, tmp_path):
+# Runs `clozax train` with every checkpoint's background write held open for 2 s, so that a
+# kill can land while a save is in flight.
+SLOW_SAVES = """
+import sys, time
+import orbax.checkpoint as ocp
+from clozax.cli import main
+
+class Slow:
+    def result(self, timeout=None):
+        time.sleep(2.0)
+
+real = ocp.handlers.StandardCheckpointHandler.async_save
+
+async def async_save(self, *args, **kwargs):
+    return [*(await real(self, *args, **kwargs) or []), Slow()]
+
+ocp.handlers.StandardCheckpointHandler.async_save = async_save
+main(sys.argv[1:])
+"""
+
+
+def test_resume_after_sigkill_during_a_save_in_flight_is_bitwise_identical(stdlib_data,
+                                                                         tmp_path):
     steps = ["--steps", "60", "--save-every", "5", "--eval-every", "1000"]
     reference = tmp_path / "reference"
     subprocess.run(_train_cli(stdlib_data, reference, *steps), check=True, capture_output=True,
                    cwd=ROOT)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cli(stdlib_data, killed, *steps), cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVES,
+                             *_train_cli(stdlib_data, killed, *steps)[3:]], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckdir = killed / "checkpoints"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        done = [int(p.name) for p in ckdir.glob("*") if p.name.isdigit()] if ckdir.is_dir() else []
-        if done and max(done) >= 15:
-            break
+    deadline = time.time() + 180
+    in_flight = []
+    while time.time() < deadline and not in_flight:
+        in_flight = [p for p in ckdir.glob("*orbax-checkpoint-tmp*")
+                     if int(p.name.split(".")[0]) >= 15] if ckdir.is_dir() else []
         time.sleep(0.01)
-    assert proc.poll() is None, "training finished before it could be killed"
+    assert proc.poll() is None and in_flight, "no save of step >= 15 was caught in flight"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     survivors = sorted(int(p.name) for p in ckdir.glob("*") if p.name.isdigit())
     assert survivors and max(survivors) < 60
     subprocess.run(_train_cli(stdlib_data, killed, *steps), check=True, capture_output=True,
                    cwd=ROOT)
+    assert list(ckdir.glob("*orbax-checkpoint-tmp*")) == []
     a, b = load_run(reference), load_run(killed)
     assert a.step == b.step == 60
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
@@ -271,9 +296,10 @@ def test_a_failed_save_keeps_the_previous_checkpoint_loadable(tiny_run_copy, mon
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
+    state, _ = checkpointer.restore(6, abstract_state(before.config))
     monkeypatch.setattr(checkpointer.manager, "save", full_disk)
     with pytest.raises(ckpt.CheckpointError, match="No space left.*step 6.*intact"):
-        checkpointer.save(9, None, {})
+        checkpointer.save(9, state, {})
     checkpointer.close()
     after = load_run(tiny_run_copy)
     assert after.step == before.step == 6
@@ -436,3 +462,60 @@ def test_optimised_step_keeps_the_plain_steps_loss_trajectory(stdlib_data, monke
     plain = _trajectory(ds, cfg)
     assert optimised[-1] < optimised[0]
     np.testing.assert_allclose(optimised, plain, rtol=1e-5 if dtype == "float32" else 5e-5)
+
+
+def test_the_loop_reads_the_device_only_at_sync_points(stdlib_data, tmp_path, monkeypatch):
+    """No per-step host read: the step runs under a transfer guard that forbids implicit
+    device→host copies, and metrics are fetched once per log/eval/save point."""
+    fetched = []
+    real = train_lib._fetch
+
+    def counting(pending):
+        fetched.append(len(pending))
+        return real(pending)
+
+    monkeypatch.setattr(train_lib, "_fetch", counting)
+    cfg = _cfg("train.steps=8", "train.log_every=4", "train.eval_every=8", "train.save_every=8")
+    result = train_lib.train(stdlib_data, tmp_path / "run", cfg)
+    assert result.steps == 8 and fetched == [4, 4]  # two reads for eight steps
+
+
+def test_params_only_restore_equals_the_full_restore(tiny_run):
+    run = load_run(tiny_run)
+    checkpointer = ckpt.Checkpointer(tiny_run)
+    full, meta = checkpointer.restore(run.step, abstract_state(run.config))
+    only, _ = checkpointer.restore(run.step, abstract_state(run.config), params_only=True)
+    checkpointer.close()
+    assert only.opt_state is None and full.opt_state is not None and meta["step"] == 6
+    for x, y, z in zip(jax.tree.leaves(full.params), jax.tree.leaves(only.params),
+                       jax.tree.leaves(run.params), strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+        assert np.array_equal(np.asarray(x), np.asarray(z))
+
+
+def test_the_in_training_eval_sample_is_a_pure_function_of_its_key():
+    a = eval_lib.sample_indices(1000, 64, eval_seed=3)
+    assert np.array_equal(a, eval_lib.sample_indices(1000, 64, eval_seed=3))
+    assert not np.array_equal(a, eval_lib.sample_indices(1000, 64, eval_seed=4))
+    assert a.size == np.unique(a).size == 64 and np.all(np.diff(a) > 0) and a.max() < 1000
+    assert np.array_equal(eval_lib.sample_indices(50, 64, eval_seed=3), np.arange(50))
+    assert np.array_equal(eval_lib.sample_indices(50, None, eval_seed=3), np.arange(50))
+
+
+def test_a_recorded_budget_revision_is_replayed_on_resume(stdlib_data, tiny_run, tmp_path):
+    """A --minutes run's schedule length is data (no recompilation) and each choice is
+    recorded: first 20 steps planned, then 8 from step 4 on. Resumed from step 2, the run
+    replays the revision at step 4 and ends bitwise equal to the uninterrupted one."""
+    revised = ("train.steps=8", "train.budget_revisions=[[0, 20], [4, 8]]", "train.save_every=2")
+    whole = train_lib.train(stdlib_data, tmp_path / "whole", _cfg(*revised))
+    train_lib.train(stdlib_data, tmp_path / "resumed", _cfg(*revised), stop_after=2)
+    train_lib.train(stdlib_data, tmp_path / "resumed", _cfg(*revised))
+    a, b = load_run(tmp_path / "whole"), load_run(tmp_path / "resumed")
+    assert a.step == b.step == whole.steps == 8
+    assert np.array_equal(_flat(a.params), _flat(b.params))
+    # The 20-step plan before step 4 is not the 8-step schedule: the parameters differ.
+    plain = train_lib.train(stdlib_data, tmp_path / "plain", _cfg("train.steps=8"))
+    assert plain.steps == 8 and not np.array_equal(_flat(a.params),
+                                                     _flat(load_run(tmp_path / "plain").params))
+    assert config_lib.schedule_length(a.config.train, 3) == 20
+    assert config_lib.schedule_length(a.config.train, 4) == 8

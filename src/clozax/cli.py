@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
-from clozax.train import hostmem
+from clozax.train import compile_cache, hostmem
 
 app = typer.Typer(
     name="clozax",
@@ -135,7 +135,8 @@ def train(
     ] = None,
 ):
     """Pretrain an encoder with masked language modelling on a prepared dataset."""
-    hostmem.keep_freed_memory()  # before JAX starts: see clozax.hostmem
+    hostmem.keep_freed_memory()  # before JAX starts: see clozax.train.hostmem
+    compile_cache.enable()
     from clozax.train import config as config_lib
     from clozax.train import loop as train_lib
     from clozax.train.run_dir import CONFIG_FILE, read_config
@@ -218,6 +219,7 @@ def audit(
     ] = 200,
 ):
     """Check the objective's invariants on a run (or a dataset); exit 1 if any check fails."""
+    compile_cache.enable()
     from clozax.judge import audit as audit_lib
 
     if run is None and data is None:
@@ -250,6 +252,7 @@ def evaluate(
     batch_size: Annotated[int, typer.Option(help="Rows per evaluation batch.")] = 64,
 ):
     """Held-out metrics on the run's frozen eval masks vs unigram and random-init baselines."""
+    compile_cache.enable()
     from rich.console import Console
 
     from clozax.judge import evaluate as evaluate_lib
@@ -276,6 +279,7 @@ def probe(
     seed: Annotated[int, typer.Option(help="Seed of the group split and the bootstrap.")] = 0,
 ):
     """Linear probe: trained vs random-init encoder vs TF-IDF, split by group, with 95% CIs."""
+    compile_cache.enable()
     from rich.console import Console
 
     from clozax.judge import probe as probe_lib
@@ -294,6 +298,7 @@ def fill(
     json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ):
     """Top-k predictions with probabilities at each [MASK] in a text."""
+    compile_cache.enable()
     import json
 
     from rich.console import Console
@@ -312,6 +317,7 @@ def report(
     run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
 ):
     """Write RUN/report.html (self-contained) and its figures in RUN/report/."""
+    compile_cache.enable()
     from clozax.report import page as report_lib
 
     print(report_lib.write_report(run))
@@ -329,7 +335,8 @@ def demo(
     ] = False,
 ):
     """Prepare the built-in corpus, train, evaluate, probe, audit and report (resumable)."""
-    hostmem.keep_freed_memory()  # before JAX starts: see clozax.hostmem
+    hostmem.keep_freed_memory()  # before JAX starts: see clozax.train.hostmem
+    compile_cache.enable()
     from clozax import demo as demo_lib
 
     summary = demo_lib.run_demo(out, steps=steps, preset=preset, quick=quick)

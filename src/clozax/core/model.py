@@ -344,14 +344,15 @@ def mlm_logits(params: Params, config: ModelConfig, hidden_sel: jax.Array) -> ja
 
 def logits_at(params: Params, config: ModelConfig, inputs: jax.Array, segments: jax.Array,
               positions: jax.Array) -> jax.Array:
-    """The full forward, then the MLM head at ``positions``: the forward every judge uses.
+    """MLM logits at ``positions``: the forward every judge uses, with the last block computed
+    only there (``apply(..., positions=)``, as in training).
 
     inputs, segments: (batch, seq) int, segment 0 = padding (``segments > 0`` is the attention
     mask); positions: (batch, count) int. Returns (batch, count, vocab) float32.
     """
     segments = jnp.asarray(segments)
-    hidden = apply(params, config, inputs, segments > 0, segments)  # (batch, seq, hidden)
-    return mlm_logits(params, config, gather(hidden, positions))
+    hidden = apply(params, config, inputs, segments > 0, segments, positions=positions)
+    return mlm_logits(params, config, hidden)  # (batch, count, vocab)
 
 
 def decay_mask(params: Params) -> Params:

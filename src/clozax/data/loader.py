@@ -53,7 +53,8 @@ class Prefetcher:
 
     ``make(i)`` builds batch ``i`` (host read and device transfer); ``depth`` batches are kept
     ready so the step never waits for data when the reader keeps up. The time the consumer
-    waited is accumulated in ``wait_seconds``.
+    waited is accumulated in ``wait_seconds``. ``stop_at`` moves the end while it runs (a
+    budget revision); batches already made past a lowered end are the consumer's to skip.
     """
 
     def __init__(self, make: Callable[[int], object], start: int, stop: int, depth: int = 2):
@@ -62,24 +63,30 @@ class Prefetcher:
         self._time = time.perf_counter
         self.wait_seconds = 0.0
         self._make = make
+        self._end = stop
+        self._next = start  # the consumer's next index
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(start, stop), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(start,), daemon=True)
         self._thread.start()
 
-    def _run(self, start: int, stop: int) -> None:
+    def stop_at(self, stop: int) -> None:
+        self._end = stop
+
+    def _run(self, i: int) -> None:
         try:
-            for i in range(start, stop):
+            while not self._stop.is_set():
+                if i >= self._end:  # idle until the end moves or the consumer closes
+                    self._stop.wait(0.01)
+                    continue
                 item = (i, self._make(i))
+                i += 1
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
-                if self._stop.is_set():
-                    return
-            self._queue.put(("done", None))
         except BaseException as e:  # surface reader errors in the consumer
             self._queue.put(("error", e))
 
@@ -87,13 +94,14 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        if self._next >= self._end:
+            raise StopIteration
         t0 = self._time()
         item = self._queue.get()
         self.wait_seconds += self._time() - t0
         if item[0] == "error":
             raise item[1]
-        if item[0] == "done":
-            raise StopIteration
+        self._next = item[0] + 1
         return item
 
     def close(self) -> None:

@@ -110,17 +110,26 @@ class TrainConfig:
     seed: int = 0  # derives init_key, data_key, mask_key
     eval_seed: int = 1234  # the frozen eval-mask set's key: never the training key
     eval_every: int = 100
-    eval_rows: int | None = None  # cap on held-out rows evaluated (None: all)
+    eval_rows: int | None = None  # cap on the held-out rows of the frozen eval-mask set
+    # Rows of the frozen set evaluated during training: a keyed sample (the same rows at every
+    # evaluation), bounding its cost; `clozax evaluate` always uses the whole set. None: all.
+    eval_sample: int | None = 1024
     save_every: int = 100
     # Steps at which ``clozax train --extend-to`` continued a finished run with a schedule
     # re-created for the new ``steps`` (provenance; the AdamW state was kept).
     extended_from: tuple[int, ...] = ()
+    # (step, steps) pairs: after ``step`` updates a ``--minutes`` run set its length to
+    # ``steps`` (at 0 its first estimate, later re-estimates from its measured speed). The
+    # schedule's total is data in the optimizer state, so this recompiles nothing; recorded so
+    # that a resume applies each at the same step (``schedule_length``).
+    budget_revisions: tuple[tuple[int, int], ...] = ()
     # Speed-only settings: they never change the numbers (see SPEED_ONLY).
     microbatches: int = 1
     devices: int | None = None  # None: all local devices
     # Shard parameters and optimiser state over the devices (ZeRO-3 / FSDP style) instead of
     # replicating them: each array along its largest axis the device count divides.
     fsdp: bool = False
+    save_every_minutes: float | None = None  # also save when this much time has passed
     keep_checkpoints: int = 3
     log_every: int = 10
     prefetch: int = 2
@@ -134,7 +143,10 @@ class TrainConfig:
                        high_open=True)
         for name in ("seed", "eval_seed"):
             check_int(f"train.{name}", getattr(self, name), 0, SEED_LIMIT - 1)
-        for name in ("devices", "eval_rows"):
+        if self.save_every_minutes is not None:
+            check_real("train.save_every_minutes", self.save_every_minutes, 0.0, math.inf,
+                       low_open=True, high_open=True)
+        for name in ("devices", "eval_rows", "eval_sample"):
             if getattr(self, name) is not None:
                 check_int(f"train.{name}", getattr(self, name), 1)
         check_bool("train.fsdp", self.fsdp)
@@ -143,11 +155,29 @@ class TrainConfig:
             object.__setattr__(self, "extended_from", tuple(self.extended_from))
         for step in self.extended_from:
             check_int("train.extended_from", step, 1, self.steps - 1)
+        revisions = tuple(tuple(r) for r in self.budget_revisions)  # JSON gives lists
+        object.__setattr__(self, "budget_revisions", revisions)
+        for revision in revisions:
+            if len(revision) != 2:
+                raise ValueError(f"train.budget_revisions entry {revision!r} is not (step, steps)")
+            check_int("train.budget_revisions step", revision[0], 0)
+            check_int("train.budget_revisions steps", revision[1], revision[0])
         if self.batch_size % self.microbatches:
             raise ValueError(
                 f"train.batch_size={self.batch_size} is not divisible by "
                 f"train.microbatches={self.microbatches}; choose a divisor of the batch size"
             )
+
+
+def schedule_length(train: TrainConfig, step: int) -> int:
+    """The learning-rate schedule's total length in effect after ``step`` updates: the latest
+    ``--minutes`` choice or revision (``budget_revisions``) or ``--extend-to`` extension
+    (``extended_from``) made at or before ``step``; ``train.steps`` when there is none."""
+    ends = (*train.extended_from[1:], train.steps)[:len(train.extended_from)]
+    extensions = zip(train.extended_from, ends, strict=True)
+    events = sorted([*train.budget_revisions, *extensions])
+    past = [total for at, total in events if at <= step]
+    return past[-1] if past else train.steps
 
 
 @dataclass(frozen=True)
@@ -173,7 +203,8 @@ SECTIONS = {"model": ModelConfig, "masking": MaskingConfig, "optim": OptimConfig
 SPEED_ONLY = {
     "train.microbatches", "train.devices", "train.fsdp", "train.keep_checkpoints",
     "train.log_every", "train.prefetch", "train.save_every", "train.eval_every",
-    "train.minutes", "model.attention", "model.unroll", "model.remat",
+    "train.minutes", "train.save_every_minutes", "model.attention", "model.unroll",
+    "model.remat",
 }
 
 

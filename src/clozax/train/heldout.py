@@ -13,7 +13,6 @@ Training evaluates with it every ``train.eval_every`` steps; ``clozax evaluate``
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import json
@@ -236,15 +235,35 @@ def make_eval_fn(model_config):
     return jax.jit(fn)
 
 
+def sample_indices(n: int, sample: int | None, eval_seed: int) -> np.ndarray:
+    """The entries of an ``n``-row eval-mask set evaluated during training: a sorted sample of
+    ``sample`` of them keyed by the eval seed (all when ``sample`` is None or >= n). A pure
+    function of its arguments: the same rows on any number of devices or processes."""
+    if sample is None or sample >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng([eval_seed, 1]).choice(n, sample, replace=False))
+
+
 def evaluate_masks(params, model_config, split, masks: EvalMasks, batch_size: int = 64,
-                   eval_fn=None) -> EvalSums:
-    """Sum the eval metrics over the whole eval-mask set (fixed batch shape; padded tail: padded
-    rows have no valid slot, so they add nothing to any sum)."""
+                   eval_fn=None, indices: np.ndarray | None = None,
+                   sharding=None) -> EvalSums:
+    """Sum the eval metrics over the eval-mask set's entries ``indices`` (default: all), in
+    batches of one shape (padded tail: padded rows have no valid slot, so they add nothing to
+    any sum), each placed with ``sharding`` when given (a mesh's ``data`` axis)."""
     eval_fn = eval_fn or make_eval_fn(model_config)
+    indices = np.arange(masks.rows.size) if indices is None else np.asarray(indices)
     sums = [np.zeros(4, np.float64) for _ in EvalSums.__dataclass_fields__]
-    take = functools.partial(mask_arrays, split, masks, with_kinds=True)
-    for _, arrays in padded_batches(masks.rows.size, batch_size, take):
-        for acc, value in zip(sums, eval_fn(params, *arrays), strict=True):
+
+    def take(idx):
+        return mask_arrays(split, masks, indices[idx], with_kinds=True)
+
+    outs = []
+    for _, arrays in padded_batches(indices.size, batch_size, take):
+        if sharding is not None:
+            arrays = jax.device_put(arrays, sharding)
+        outs.append(eval_fn(params, *arrays))  # dispatched; read back once, below
+    for out in jax.device_get(outs):
+        for acc, value in zip(sums, out, strict=True):
             acc += np.asarray(value, np.float64)
     return EvalSums(*sums)
 

@@ -17,7 +17,9 @@ on import because the single arena costs compilation: the small train step compi
 instead of 3.5 s (XLA's compile threads contend for the arena), and the test suite ran 424 s
 instead of 331 s. Training repays that after ~20 steps (~100 ms saved per small-preset step);
 short, compile-heavy commands (evaluate, probe, audit) do not, so they keep glibc's default.
-It is a no-op off glibc, and ``CLOZAX_HOST_MALLOC=default`` turns it off. Peak RSS is unchanged
+It is a no-op off glibc and on hosts with an accelerator (an NVIDIA, AMD or TPU device node:
+the step then runs on the device, and the host heap is not where its scratch lives), and
+``CLOZAX_HOST_MALLOC=default`` turns it off. Peak RSS is unchanged
 (the buffer was resident during each step anyway); memory freed after the peak stays with the
 process until it exits. Measured on the train step once the heap has settled (a few steps; the
 test suite checks 0 faults per step against ~85,000 with glibc's default); other programs'
@@ -37,6 +39,12 @@ ENV = "CLOZAX_HOST_MALLOC"
 _applied: bool | None = None
 
 
+def accelerator_present() -> bool:
+    """An NVIDIA, AMD or TPU device node exists (checked without importing JAX)."""
+    nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
+    return any(os.path.exists(node) for node in nodes)
+
+
 def keep_freed_memory() -> bool:
     """Apply the glibc settings once per process, before JAX starts; True if they took."""
     global _applied
@@ -46,6 +54,8 @@ def keep_freed_memory() -> bool:
     if os.environ.get(ENV, "").lower() == "default" or not sys.platform.startswith("linux"):
         return False
     if "jax" in sys.modules:  # too late: importing JAX already starts threads with arenas
+        return False
+    if accelerator_present():
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

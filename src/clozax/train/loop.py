@@ -8,7 +8,6 @@ on their cadences.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, replace
@@ -30,66 +29,29 @@ from clozax.core.pipeline import (
     make_masker,
     make_optimizer,
     new_state,
+    with_total_steps,
 )
 from clozax.core.vocab import Vocabulary
 from clozax.data.dataset import open_dataset
 from clozax.data.loader import Prefetcher, batch_rows, host_batch
 from clozax.train import checkpoint as ckpt
-from clozax.train import config as config_lib
 from clozax.train import heldout
-from clozax.train.config import RunConfig
+from clozax.train.budget import Budget, process_started, steps_for_budget
+from clozax.train.config import RunConfig, schedule_length
 from clozax.train.mesh import make_mesh, state_shardings
 from clozax.train.observe import TrainLog
-from clozax.train.run_dir import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE, load_run, write_run_files
+from clozax.train.run_dir import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    check_compatible,
+    load_run,
+    write_run_files,
+)
 from clozax.train.step import make_train_step
 
 
 class TrainingDiverged(ValueError):
     """A non-finite loss or gradient norm; the last good checkpoint is kept."""
-
-
-def check_compatible(run_dir: Path, config: RunConfig, dataset,
-                     extend_to: int | None = None) -> tuple[RunConfig, bool]:
-    """Refuse to resume into a run whose results-relevant config, tokenizer or data differ.
-
-    Returns the config to continue with and whether it extends the run: with ``extend_to``
-    beyond the run's ``train.steps``, a finished run continues to ``extend_to`` steps with its
-    schedule re-created for the new length (recorded in ``train.extended_from``).
-    """
-    saved = config_lib.load_json(run_dir / CONFIG_FILE)
-    run = json.loads((run_dir / RUN_FILE).read_text())
-    if config.train.minutes is not None and config.train.minutes == saved.train.minutes:
-        # The step count was fixed from measured throughput when the run started.
-        config = replace(config, train=replace(config.train, steps=saved.train.steps))
-    extending = extend_to is not None and extend_to != saved.train.steps
-    if extend_to is not None:
-        if extend_to < saved.train.steps:
-            raise ValueError(f"--extend-to {extend_to} is below the {saved.train.steps} steps run "
-                             f"{run_dir} already has; pass a larger number")
-        extended = replace(saved.train, steps=extend_to, extended_from=(
-            *saved.train.extended_from, saved.train.steps) if extending else
-            saved.train.extended_from)
-        saved = replace(saved, train=extended)
-        config = replace(config, train=replace(config.train, steps=extend_to,
-                                               extended_from=extended.extended_from))
-    diffs = config_lib.result_differences(saved, config)
-    if diffs:
-        raise ValueError(
-            f"run {run_dir} was trained with a different config ({'; '.join(diffs[:3])}); "
-            "resume with the same settings or choose a new --out directory"
-        )
-    if run["tokenizer_sha256"] != dataset.tokenizer_sha256:
-        raise ValueError(
-            f"run {run_dir} used tokenizer {run['tokenizer_sha256'][:12]}, the dataset has "
-            f"{dataset.tokenizer_sha256[:12]}; resume with the original dataset or a new --out"
-        )
-    if run["dataset_fingerprint"] != dataset.fingerprint:
-        raise ValueError(
-            f"run {run_dir} was trained on dataset {run['dataset_fingerprint'][:12]}, not "
-            f"{dataset.path} {dataset.fingerprint[:12]} (re-prepared, or other data); resume "
-            "with the original dataset or choose a new --out"
-        )
-    return config, extending
 
 
 def validate_run(config: RunConfig, dataset, n_devices: int) -> None:
@@ -130,6 +92,12 @@ class TrainResult:
     state: TrainState
 
 
+def _fetch(pending: list):
+    """Read the metrics of the steps since the last read, in one device→host transfer: the only
+    place the loop waits for the device (every ``log_every`` steps, evaluation and save)."""
+    return jax.device_get(pending)
+
+
 def train(
     data_dir: Path,
     run_dir: Path,
@@ -151,9 +119,14 @@ def train(
     pretraining, e.g. from ``clozax import-hf``): its model config is adopted and its tokenizer
     must be the dataset's. ``extend_to`` continues a finished run to that many steps (see
     ``check_compatible``). ``stop_after`` ends the loop early (for tests) without changing the
-    schedule. The updated parameters are checked to be finite after every step, so no
-    checkpoint ever holds a diverged model.
+    schedule.
+
+    The device never waits for the host: metrics stay on the device and are read every
+    ``log_every`` steps (and before each evaluation and save), where their finiteness — loss,
+    gradient norm and updated parameters of every step since the last read — is checked, so no
+    checkpoint ever holds a diverged model; saves are written in the background.
     """
+    started = process_started()  # a --minutes budget covers the whole command
 
     # --- data and the run's config
     dataset = open_dataset(data_dir)
@@ -197,7 +170,8 @@ def train(
     replicated = NamedSharding(mesh, P())
     data_sharding = NamedSharding(mesh, P("data"))
 
-    # --- init
+    # --- init: one compiled step for the whole run (the schedule's length is data in the
+    # optimizer state, so --minutes, a budget revision and --extend-to never recompile)
     params = init_params(config.model, config.train.seed)
     if init_run is not None:
         params = jax.tree.map(jnp.asarray, init_run.params)
@@ -205,13 +179,8 @@ def train(
     state = new_state(params, optimizer)
     shardings = state_shardings(state, mesh, config.train.fsdp)
     state = jax.device_put(state, shardings)
-
-    def compile_step(optimizer, schedule):
-        fn = make_train_step(config, vocab, seq_len, optimizer, schedule, mesh)
-        return jax.jit(fn, donate_argnums=0, out_shardings=(shardings, replicated))
-
-    step_fn = compile_step(optimizer, schedule)
-
+    step_fn = jax.jit(make_train_step(config, vocab, seq_len, optimizer, schedule, mesh),
+                      donate_argnums=0, out_shardings=(shardings, replicated))
     special_table = vocab.special_table()
 
     def device_batch(i: int) -> dict:
@@ -229,12 +198,30 @@ def train(
             )
         return jax.device_put(batch, data_sharding)
 
-    # --- budget: --minutes fixes the step count once, from throughput measured after compiling
+    # --- held-out evaluation: the frozen set, a keyed sample of it during training, sharded
+    masker = make_masker(config.masking, vocab, seq_len)
+    eval_fn = heldout.make_eval_fn(config.model)
+    eval_batch = math.lcm(64, n_devices)
+
+    checkpointer = None
+
+    def evaluate(params, eval_masks, sample) -> dict:
+        try:
+            return heldout.evaluate_masks(params, config.model, dataset.heldout, eval_masks,
+                                          eval_batch, eval_fn, sample, data_sharding).metrics()
+        except heldout.NonFiniteScores as e:
+            kept = checkpointer.latest_step() if checkpointer is not None else None
+            raise TrainingDiverged(f"{e}; the last good checkpoint is step {kept}") from None
+
+    # --- budget: --minutes fixes the step count from measured costs (compile included)
+    budget = None
     if config.train.minutes is not None and not existing:
-        steps = _steps_for_budget(step_fn, state, device_batch, keys.mask, config.train.minutes)
-        config = replace(config, train=replace(config.train, steps=steps))
-        optimizer, schedule = make_optimizer(config.optim, steps, params)
-        step_fn = compile_step(optimizer, schedule)
+        steps = steps_for_budget(config, started, state, step_fn, device_batch, keys.mask,
+                                 evaluate, dataset, masker, run_dir, log.info)
+        config = replace(config, train=replace(config.train, steps=steps,
+                                               budget_revisions=((0, steps),)))
+        state = with_total_steps(state, steps)
+        budget = Budget(config.train.minutes, started)
 
     # --- checkpoints: an extension needs a finished run
     checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
@@ -263,33 +250,29 @@ def train(
         files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
         log.info(f"extending run {run_dir} from {config.train.extended_from[-1]} to "
                  f"{config.train.steps} steps (schedule re-created for {config.train.steps})")
-    masker = make_masker(config.masking, vocab, seq_len)
     eval_masks, _ = heldout.ensure_eval_masks(run_dir, dataset, masker, config.train.eval_seed,
                                               config.train.eval_rows, say=log.info)
-    eval_fn = heldout.make_eval_fn(config.model)
-
-    def evaluate(params) -> dict:
-        try:
-            return heldout.evaluate_masks(params, config.model, dataset.heldout, eval_masks,
-                                          eval_fn=eval_fn).metrics()
-        except heldout.NonFiniteScores as e:
-            raise TrainingDiverged(f"{e}; the last good checkpoint is step "
-                                   f"{checkpointer.latest_step()}") from None
+    sample = heldout.sample_indices(eval_masks.rows.size, config.train.eval_sample,
+                                    config.train.eval_seed)
 
     # --- restore
     try:
         restored = checkpointer.restore_latest(ckpt.abstract_like(state), say=log.info,
-                                              set_aside=True)
+                                               set_aside=True)
     except BaseException:
         checkpointer.close()
         raise
     start = 0  # a run directory whose first checkpoint never landed starts again
     if restored is not None:
         state, _, start = restored
+    # The schedule's length in effect from here (a --minutes estimate, revision or extension)
+    state = with_total_steps(state, schedule_length(config.train, start))
+    if restored is not None:
         if start >= config.train.steps:
             checkpointer.close()
             log.info(f"run {run_dir} already completed {start} steps; nothing to do")
-            return TrainResult(run_dir, start, math.nan, evaluate(state.params), state)
+            return TrainResult(run_dir, start, math.nan, evaluate(state.params, eval_masks,
+                                                                  sample), state)
     n_params = model_lib.param_count(params)
     log.header(
         devices=n_devices, platform=jax.devices()[0].platform, dtype=config.model.compute_dtype,
@@ -298,48 +281,95 @@ def train(
     )
 
     # --- loop
-    end = config.train.steps if stop_after is None else min(config.train.steps, stop_after)
-    prefetch = Prefetcher(device_batch, start, end, depth=config.train.prefetch)
-    tokens_per_step = config.train.batch_size * seq_len
-    last_eval = None
-    loss = math.nan
-    t_last, steps_since = time.perf_counter(), 0
+    t = config.train
+    end = t.steps if stop_after is None else min(t.steps, stop_after)
+    revisions = dict(t.budget_revisions)
+    prefetch = Prefetcher(device_batch, start, end, depth=t.prefetch)
+    tokens_per_step = t.batch_size * seq_len
+    last_eval, loss, pending = None, math.nan, []
+    t_last, steps_since, last_save = time.perf_counter(), 0, time.perf_counter()
     try:
-        log.start(total=config.train.steps, completed=start)
+        log.start(total=t.steps, completed=start)
         for i, batch in prefetch:
-            state, metrics = step_fn(state, batch, keys.mask)
-            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            with jax.transfer_guard_device_to_host("disallow"):  # no per-step host read
+                state, metrics = step_fn(state, batch, keys.mask)
             step = i + 1
-            # Impossible by construction (every row has an eligible token); asserted cheaply.
-            assert int(metrics["selected"]) > 0, f"empty selection at step {step}"
-            if not bool(metrics["finite"]):
-                raise TrainingDiverged(
-                    f"non-finite loss ({loss}), gradient norm ({grad_norm}) or updated "
-                    f"parameters at step {step}; the last good checkpoint (step "
-                    f"{checkpointer.latest_step()}) is kept: lower optim.learning_rate or raise "
-                    "optim.warmup_steps"
-                )
-            steps_since += 1
+            pending.append((step, metrics))
+            if step == start + 1:  # the first step of this process: say what compiling cost
+                jax.block_until_ready(metrics)
+                log.info(f"compiled and ran the first step in "
+                         f"{time.perf_counter() - started:.1f} s since start")
+                t_last = time.perf_counter()
+                if budget is not None:
+                    budget.mark(step)
+            if step in revisions:  # a recorded budget revision: the same step, the same length
+                state = with_total_steps(state, revisions[step])
+            due_eval = step % t.eval_every == 0 or step == t.steps
+            overdue = (t.save_every_minutes is not None
+                       and time.perf_counter() - last_save >= 60 * t.save_every_minutes)
+            due_save = step % t.save_every == 0 or step == t.steps or overdue
+            due_log = step % t.log_every == 0 or step == end
+            if not (due_log or due_eval or due_save):
+                log.advance(step)
+                continue
+
+            # A sync point: read the metrics since the last one, check them, act on them.
+            fetched = _fetch([m for _, m in pending])
+            now = time.perf_counter()
+            _check_finite(pending, fetched, checkpointer)
+            loss = float(fetched[-1]["loss"])
+            steps_since += len(pending)
+            pending = []
             record = None
-            if step % config.train.log_every == 0 or step == end:
-                now = time.perf_counter()
+            if due_log:
+                m = fetched[-1]
                 record = {
                     "step": step, "tokens": step * tokens_per_step, "loss": loss,
-                    "lr": float(metrics["lr"]), "selected": int(metrics["selected"]),
-                    "grad_norm": grad_norm,
+                    "lr": float(m["lr"]), "selected": int(m["selected"]),
+                    "grad_norm": float(m["grad_norm"]),
                     "tokens_per_s": steps_since * tokens_per_step / max(now - t_last, 1e-9),
                     "data_wait_s": round(prefetch.wait_seconds, 4),
                 }
                 t_last, steps_since = now, 0
-            if step % config.train.eval_every == 0 or step == config.train.steps:
-                last_eval = evaluate(state.params)
+            if due_eval:
+                t_eval = time.perf_counter()
+                last_eval = evaluate(state.params, eval_masks, sample)
                 record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
                 record["eval"] = last_eval
+                record["eval_seconds"] = round(time.perf_counter() - t_eval, 3)
+                if budget is not None:
+                    budget.spent_outside(time.perf_counter() - t_eval)
+                t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
+            if due_save:  # started now, written in the background while training goes on
+                t_save = time.perf_counter()
+                checkpointer.save(step, state, {"config": config.to_dict()})
+                last_save = time.perf_counter()
+                if budget is not None:
+                    budget.spent_outside(last_save - t_save)
+                t_last += last_save - t_save
+                record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
+                record["checkpoint_seconds"] = round(last_save - t_save, 3)
             if record is not None:
                 log.metrics(record)
-            if step % config.train.save_every == 0 or step == config.train.steps:
-                checkpointer.save(step, state, {"step": step, "config": config.to_dict()})
+            if budget is not None and due_log:
+                revised = budget.revise(step, t.steps, t.eval_every, t.save_every)
+                if revised is not None:
+                    t = replace(t, steps=revised, budget_revisions=(
+                        *t.budget_revisions, (step, revised)))
+                    config = replace(config, train=t)
+                    state = with_total_steps(state, revised)
+                    files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
+                    end = revised if stop_after is None else min(revised, stop_after)
+                    prefetch.stop_at(end)
+                    log.retotal(revised)
+                    log.info(f"budget: re-estimated at step {step}; the run now ends at step "
+                             f"{revised} (recorded in config.json)")
             log.advance(step, loss)
+        if pending:  # stopped early (stop_after) between sync points: still check the steps
+            _check_finite(pending, _fetch([m for _, m in pending]), checkpointer)
+        checkpointer.wait()  # a failing background write is this run's error
+        if budget is not None:
+            log.info(budget.summary())
     finally:
         # Best effort: a failing close (a full disk under TensorBoard, say) must never hide
         # the error that ended the loop.
@@ -348,19 +378,19 @@ def train(
                 close()
             except Exception:  # noqa: BLE001
                 pass
-    return TrainResult(run_dir, int(state.step), loss, last_eval, state)
+    return TrainResult(run_dir, int(jax.device_get(state.step)), loss, last_eval, state)
 
 
-def _steps_for_budget(step_fn, state, device_batch, mask_key, minutes: float) -> int:
-    """Measure seconds per step after compilation on a throwaway copy of the state."""
-    probe = jax.tree.map(jnp.copy, state)
-    batch = device_batch(0)
-    probe, m = step_fn(probe, batch, mask_key)  # compile
-    jax.block_until_ready(m)
-    t0 = time.perf_counter()
-    reps = 3
-    for _ in range(reps):
-        probe, m = step_fn(probe, device_batch(0), mask_key)
-    jax.block_until_ready(m)
-    per_step = (time.perf_counter() - t0) / reps
-    return max(1, int(minutes * 60 / per_step))
+def _check_finite(pending: list, fetched: list, checkpointer) -> None:
+    """Stop at the first step since the last read whose loss, gradient norm or updated
+    parameters were not finite (before anything from it is logged or saved)."""
+    for (step, _), m in zip(pending, fetched, strict=True):
+        # Impossible by construction (every row has an eligible token); checked cheaply.
+        assert int(m["selected"]) > 0, f"empty selection at step {step}"
+        if not bool(m["finite"]):
+            raise TrainingDiverged(
+                f"non-finite loss ({float(m['loss'])}), gradient norm "
+                f"({float(m['grad_norm'])}) or updated parameters at step {step}; the last good "
+                f"checkpoint (step {checkpointer.latest_step()}) is kept: lower "
+                "optim.learning_rate or raise optim.warmup_steps"
+            )

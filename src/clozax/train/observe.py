@@ -59,7 +59,7 @@ class TrainLog:
 
     def metrics(self, record: dict) -> None:
         with open(self.run_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
         self._last_record = record
         if self._tb is not None:
             step = record["step"]
@@ -82,11 +82,19 @@ class TrainLog:
                 f"lr {record.get('lr', 0):.2e} {record.get('tokens_per_s', 0):.0f} tok/s"
             )
 
-    def advance(self, step: int, loss: float) -> None:
+    def advance(self, step: int, loss: float | None = None) -> None:
+        """Move the bar to ``step``; ``loss`` when one was read (at sync points only)."""
         if self.progress is not None:
-            tps = self._last_record.get("tokens_per_s")
-            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}",
-                                 tps=f"{tps:,.0f}" if tps else "-")
+            fields = {}
+            if loss is not None:
+                tps = self._last_record.get("tokens_per_s")
+                fields = {"loss": f"{loss:.4f}", "tps": f"{tps:,.0f}" if tps else "-"}
+            self.progress.update(self.task, completed=step, **fields)
+
+    def retotal(self, total: int) -> None:
+        """The run's length changed (a ``--minutes`` revision)."""
+        if self.progress is not None:
+            self.progress.update(self.task, total=total)
 
     def stop(self) -> None:
         if self.progress is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jax
@@ -67,6 +67,52 @@ def write_run_files(run_dir: Path, config: config_lib.RunConfig, info: dict) -> 
                      sort_keys=True)
 
 
+def check_compatible(run_dir: Path, config: config_lib.RunConfig, dataset,
+                     extend_to: int | None = None) -> tuple[config_lib.RunConfig, bool]:
+    """Refuse to resume into a run whose results-relevant config, tokenizer or data differ.
+
+    Returns the config to continue with and whether it extends the run: with ``extend_to``
+    beyond the run's ``train.steps``, a finished run continues to ``extend_to`` steps with its
+    schedule re-created for the new length (recorded in ``train.extended_from``).
+    """
+    saved = config_lib.load_json(run_dir / CONFIG_FILE)
+    run = json.loads((run_dir / RUN_FILE).read_text())
+    if config.train.minutes is not None and config.train.minutes == saved.train.minutes:
+        # The step count was fixed from measured throughput when the run started (and maybe
+        # revised once while it ran).
+        config = replace(config, train=replace(config.train, steps=saved.train.steps,
+                                               budget_revisions=saved.train.budget_revisions))
+    extending = extend_to is not None and extend_to != saved.train.steps
+    if extend_to is not None:
+        if extend_to < saved.train.steps:
+            raise ValueError(f"--extend-to {extend_to} is below the {saved.train.steps} steps run "
+                             f"{run_dir} already has; pass a larger number")
+        extended = replace(saved.train, steps=extend_to, extended_from=(
+            *saved.train.extended_from, saved.train.steps) if extending else
+            saved.train.extended_from)
+        saved = replace(saved, train=extended)
+        config = replace(config, train=replace(config.train, steps=extend_to,
+                                               extended_from=extended.extended_from))
+    diffs = config_lib.result_differences(saved, config)
+    if diffs:
+        raise ValueError(
+            f"run {run_dir} was trained with a different config ({'; '.join(diffs[:3])}); "
+            "resume with the same settings or choose a new --out directory"
+        )
+    if run["tokenizer_sha256"] != dataset.tokenizer_sha256:
+        raise ValueError(
+            f"run {run_dir} used tokenizer {run['tokenizer_sha256'][:12]}, the dataset has "
+            f"{dataset.tokenizer_sha256[:12]}; resume with the original dataset or a new --out"
+        )
+    if run["dataset_fingerprint"] != dataset.fingerprint:
+        raise ValueError(
+            f"run {run_dir} was trained on dataset {run['dataset_fingerprint'][:12]}, not "
+            f"{dataset.path} {dataset.fingerprint[:12]} (re-prepared, or other data); resume "
+            "with the original dataset or choose a new --out"
+        )
+    return config, extending
+
+
 def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -115,13 +161,15 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
             raise ValueError(
                 f"run {run_dir} has no checkpoint yet; train it (or let a save complete) first"
             )
+        # Only the parameters are read: the AdamW moments (twice their size) stay on disk.
         if step is None:
-            state, _, chosen = checkpointer.restore_latest(abstract_state(config), say=warn)
+            state, _, chosen = checkpointer.restore_latest(abstract_state(config), say=warn,
+                                                           params_only=True)
         elif step not in steps:
             raise ValueError(f"run {run_dir} has no checkpoint at step {step}; it has {steps}")
         else:
             chosen = step
-            state, _ = checkpointer.restore(step, abstract_state(config))
+            state, _ = checkpointer.restore(step, abstract_state(config), params_only=True)
     finally:
         checkpointer.close()
     return LoadedRun(run_dir, config, info, chosen, state.params)

@@ -83,7 +83,11 @@ def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
 
 def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimizer, schedule,
                     mesh: Mesh | None = None):
-    """The pure train step ``(state, batch, mask_key) -> (state, metrics)`` (not yet jitted)."""
+    """The pure train step ``(state, batch, mask_key) -> (state, metrics)`` (not yet jitted).
+
+    ``schedule(opt_state)`` gives the learning rate of the update (``make_optimizer``'s second
+    result), reported as ``metrics["lr"]``.
+    """
     loss_and_grads = make_loss_and_grads(config, vocab, seq_len, mesh)
 
     def step(state: TrainState, batch: dict, mask_key):
@@ -102,7 +106,7 @@ def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimize
             "loss_sum": total,
             "selected": count,
             "grad_norm": grad_norm,
-            "lr": schedule(state.step),
+            "lr": schedule(state.opt_state),  # the rate this update used
             # Checked on the host before anything is logged or saved: a diverged update
             # (an infinite learning rate, an overflow) must never reach a checkpoint.
             "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm) & all_finite(params),

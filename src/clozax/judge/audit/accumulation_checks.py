@@ -47,7 +47,7 @@ def uneven_batch(batch: dict, rows, keep: int = 4) -> dict:
 CAPTURE = _capture_gradients()
 
 
-def _no_schedule(step):
+def _no_schedule(opt_state):
     return jnp.zeros((), jnp.float32)
 
 
