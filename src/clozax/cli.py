@@ -133,9 +133,23 @@ def train(
         typer.Option(help="Continue a finished run in --out to this many steps, with its "
                      "schedule re-created for the new length (AdamW state kept; recorded)."),
     ] = None,
+    coordinator: Annotated[str | None, typer.Option(
+        help="Multi-process job: process 0's HOST:PORT (also CLOZAX_COORDINATOR).")] = None,
+    num_processes: Annotated[int | None, typer.Option(
+        help="Multi-process job: processes (also CLOZAX_NUM_PROCESSES).")] = None,
+    process_id: Annotated[int | None, typer.Option(
+        help="Multi-process job: this process, 0..N-1 (also CLOZAX_PROCESS_ID).")] = None,
+    distributed_: Annotated[str | None, typer.Option("--distributed", help=(
+        "'auto': join the job its launcher describes (SLURM, MPI, TPU slice, k8s)."))] = None,
 ):
     """Pretrain an encoder with masked language modelling on a prepared dataset."""
     hostmem.keep_freed_memory()  # before JAX starts: see clozax.train.hostmem
+    from clozax.train import distributed
+
+    if distributed_ not in (None, "auto"):
+        raise ValueError(f"--distributed {distributed_!r} is unknown; use --distributed auto or "
+                         "give --coordinator/--num-processes/--process-id")
+    distributed.initialize(coordinator, num_processes, process_id, auto=distributed_ == "auto")
     compile_cache.enable()
     from clozax.train import config as config_lib
     from clozax.train import loop as train_lib

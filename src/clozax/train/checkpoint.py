@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from clozax.core import files
+from clozax.train import distributed
 
 # orbax logs every save at INFO/WARNING through absl; keep the console for our own lines.
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -46,9 +47,14 @@ class CheckpointError(ValueError):
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep: int = 3):
+    """Every process of a job saves and restores (orbax writes each process's shards and
+    commits once); only the primary process (``primary``) records digests, removes temporaries
+    and sets damaged steps aside."""
+
+    def __init__(self, run_dir: Path, keep: int = 3, primary: bool = True):
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.digests = Path(run_dir).absolute() / DIGEST_DIR
+        self.primary = primary
         self._remove_temporaries()  # left by a process killed while saving
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -168,6 +174,8 @@ class Checkpointer:
                 where = ""
                 if set_aside:
                     where = f", set aside in {self._set_aside(step)}"
+                    distributed.barrier(f"clozax-set-aside-{step}")  # the move is seen by all
+                    self.manager.reload()
                 say(f"checkpoint at step {step} is damaged ({str(e).split('(', 1)[1][:-1]}"
                     f"{where}); falling back to step {older[-1]}")
                 continue
@@ -187,6 +195,8 @@ class Checkpointer:
             self._remove_temporaries()  # a failed step's, written after the failure surfaced
 
     def _record_digest(self, step: int) -> None:
+        if not self.primary:
+            return
         self.digests.mkdir(parents=True, exist_ok=True)
         files.write_json(self.digests / f"{step}.json",
                          _file_digests(self.directory / str(step)), sort_keys=True)
@@ -197,15 +207,15 @@ class Checkpointer:
 
     def _set_aside(self, step: int) -> Path:
         aside = self.directory.parent / f"{CHECKPOINT_DIR}_damaged"
-        aside.mkdir(exist_ok=True)
         dest = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        (self.directory / str(step)).rename(dest)
-        (self.digests / f"{step}.json").unlink(missing_ok=True)
-        self.manager.reload()
+        if self.primary:
+            aside.mkdir(exist_ok=True)
+            (self.directory / str(step)).rename(dest)
+            (self.digests / f"{step}.json").unlink(missing_ok=True)
         return dest
 
     def _remove_temporaries(self) -> None:
-        if self.directory.is_dir():
+        if self.primary and self.directory.is_dir():
             for tmp in self.directory.glob(f"*{_TMP_MARK}*"):
                 shutil.rmtree(tmp, ignore_errors=True)
 

@@ -145,14 +145,16 @@ def load_eval_masks(run_dir: Path, dataset=None) -> tuple[EvalMasks, dict]:
 
 
 def ensure_eval_masks(run_dir: Path, dataset, masker, eval_seed: int,
-                      max_rows: int | None = None, say=None) -> tuple[EvalMasks, dict]:
+                      max_rows: int | None = None, say=None,
+                      write: bool = True) -> tuple[EvalMasks, dict]:
     """The run's eval-mask set: loaded when intact; built when missing or damaged (a kill
     while writing, a truncated file) — deterministically from the eval seed, so a rebuilt set
-    has the sha256 ``eval_masks.json`` recorded before, which is checked."""
+    has the sha256 ``eval_masks.json`` recorded before, which is checked. Without ``write``
+    (every process but the first of a job) nothing is written."""
     run_dir = Path(run_dir)
     try:
         masks, meta = load_eval_masks(run_dir, dataset)
-        if files.read_json(run_dir / EVAL_MASKS_META) != meta:  # the readable copy
+        if write and files.read_json(run_dir / EVAL_MASKS_META) != meta:  # the readable copy
             files.write_json(run_dir / EVAL_MASKS_META, meta)
         return masks, meta
     except EvalMasksUnreadable as e:
@@ -164,6 +166,8 @@ def ensure_eval_masks(run_dir: Path, dataset, masker, eval_seed: int,
             raise ValueError(f"{e}; rebuilding it from eval seed {eval_seed} gave sha256 "
                              f"{sha[:12]}, not the recorded {recorded[:12]}: the run's "
                              "settings or data changed") from None
+        if not write:
+            return masks, {"sha256": sha}
         meta = save_eval_masks(run_dir, masks, eval_seed=eval_seed,
                                fingerprint=dataset.fingerprint, seq_len=dataset.seq_len)
         if (damaged or recorded is not None) and say is not None:
@@ -245,11 +249,11 @@ def sample_indices(n: int, sample: int | None, eval_seed: int) -> np.ndarray:
 
 
 def evaluate_masks(params, model_config, split, masks: EvalMasks, batch_size: int = 64,
-                   eval_fn=None, indices: np.ndarray | None = None,
-                   sharding=None) -> EvalSums:
+                   eval_fn=None, indices: np.ndarray | None = None, put=None) -> EvalSums:
     """Sum the eval metrics over the eval-mask set's entries ``indices`` (default: all), in
     batches of one shape (padded tail: padded rows have no valid slot, so they add nothing to
-    any sum), each placed with ``sharding`` when given (a mesh's ``data`` axis)."""
+    any sum), each placed on the devices by ``put(arrays)`` when given (a mesh's ``data``
+    axis; the sums then add over every device and process before anything is divided)."""
     eval_fn = eval_fn or make_eval_fn(model_config)
     indices = np.arange(masks.rows.size) if indices is None else np.asarray(indices)
     sums = [np.zeros(4, np.float64) for _ in EvalSums.__dataclass_fields__]
@@ -259,8 +263,8 @@ def evaluate_masks(params, model_config, split, masks: EvalMasks, batch_size: in
 
     outs = []
     for _, arrays in padded_batches(indices.size, batch_size, take):
-        if sharding is not None:
-            arrays = jax.device_put(arrays, sharding)
+        if put is not None:
+            arrays = put(arrays)
         outs.append(eval_fn(params, *arrays))  # dispatched; read back once, below
     for out in jax.device_get(outs):
         for acc, value in zip(sums, out, strict=True):

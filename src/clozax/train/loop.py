@@ -8,6 +8,7 @@ on their cadences.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -35,10 +36,17 @@ from clozax.core.vocab import Vocabulary
 from clozax.data.dataset import open_dataset
 from clozax.data.loader import Prefetcher, batch_rows, host_batch
 from clozax.train import checkpoint as ckpt
-from clozax.train import heldout
+from clozax.train import config as config_lib
+from clozax.train import distributed, heldout
 from clozax.train.budget import Budget, process_started, steps_for_budget
 from clozax.train.config import RunConfig, schedule_length
-from clozax.train.mesh import make_mesh, state_shardings
+from clozax.train.mesh import (
+    from_host,
+    global_batch,
+    make_mesh,
+    process_rows,
+    state_shardings,
+)
 from clozax.train.observe import TrainLog
 from clozax.train.run_dir import (
     CONFIG_FILE,
@@ -52,32 +60,6 @@ from clozax.train.step import make_train_step
 
 class TrainingDiverged(ValueError):
     """A non-finite loss or gradient norm; the last good checkpoint is kept."""
-
-
-def validate_run(config: RunConfig, dataset, n_devices: int) -> None:
-    """Config/data consistency checks that need the dataset, before any compilation."""
-    if dataset.seq_len > config.model.max_positions:
-        raise ValueError(
-            f"dataset seq_len {dataset.seq_len} exceeds model.max_positions="
-            f"{config.model.max_positions}; raise model.max_positions or prepare shorter rows"
-        )
-    if config.model.vocab_size != dataset.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={config.model.vocab_size} does not match the dataset's tokenizer "
-            f"({dataset.vocab_size}); leave model.vocab_size unset so it is taken from the data"
-        )
-    per_step = n_devices * config.train.microbatches
-    if config.train.batch_size % per_step:
-        raise ValueError(
-            f"train.batch_size={config.train.batch_size} is not divisible by devices "
-            f"({n_devices}) x microbatches ({config.train.microbatches}); choose a multiple of "
-            f"{per_step}"
-        )
-    if dataset.train.rows < config.train.batch_size:
-        raise ValueError(
-            f"the training split has {dataset.train.rows} rows, fewer than one batch of "
-            f"{config.train.batch_size}; lower train.batch_size or prepare more data"
-        )
 
 
 # --------------------------------------------------------------------------- the loop
@@ -133,8 +115,11 @@ def train(
     config = config.replace(model=replace(config.model, vocab_size=dataset.vocab_size))
     run_dir = Path(run_dir)
     existing = (run_dir / CONFIG_FILE).is_file()
+    # Every process of a job reads the run directory before the first one writes to it.
+    distributed.barrier("clozax-train-start")
+    primary = distributed.is_primary()  # the process that writes files and reports
     init_run, extending = None, False
-    log = TrainLog(run_dir, console=console)
+    log = TrainLog(run_dir, console=console, enabled=primary)
     if existing:
         config, extending = check_compatible(run_dir, config, dataset, extend_to)
         here = runnable_here(config.model)
@@ -163,7 +148,7 @@ def train(
                              f"(this machine runs {jax.default_backend()}); use 'auto'")
     mesh = make_mesh(config.train.devices)
     n_devices = mesh.devices.size
-    validate_run(config, dataset, n_devices)
+    config_lib.validate_for_data(config, dataset, n_devices)
     vocab = Vocabulary(dataset.vocab_size, dataset.specials)
     seq_len = dataset.seq_len
     keys = Keys.from_seed(config.train.seed)
@@ -183,8 +168,11 @@ def train(
                       donate_argnums=0, out_shardings=(shardings, replicated))
     special_table = vocab.special_table()
 
+    local_rows = process_rows(data_sharding, config.train.batch_size)
+
     def device_batch(i: int) -> dict:
-        rows = batch_rows(keys.data, i, dataset.train.rows, config.train.batch_size)
+        # Batch i is a pure function of i; this process reads only its own rows of it.
+        rows = batch_rows(keys.data, i, dataset.train.rows, config.train.batch_size)[local_rows]
         batch = host_batch(dataset.train, rows)
         # Impossible for a dataset of this format (prepare skips documents without a
         # selectable token); checked before the jitted step, which would select nothing.
@@ -196,7 +184,7 @@ def train(
                 "(non-pad, non-special) token, so nothing can be selected; the dataset is "
                 "damaged: re-run `clozax prepare`"
             )
-        return jax.device_put(batch, data_sharding)
+        return global_batch(data_sharding, batch, config.train.batch_size)
 
     # --- held-out evaluation: the frozen set, a keyed sample of it during training, sharded
     masker = make_masker(config.masking, vocab, seq_len)
@@ -208,7 +196,8 @@ def train(
     def evaluate(params, eval_masks, sample) -> dict:
         try:
             return heldout.evaluate_masks(params, config.model, dataset.heldout, eval_masks,
-                                          eval_batch, eval_fn, sample, data_sharding).metrics()
+                                          eval_batch, eval_fn, sample,
+                                          functools.partial(from_host, data_sharding)).metrics()
         except heldout.NonFiniteScores as e:
             kept = checkpointer.latest_step() if checkpointer is not None else None
             raise TrainingDiverged(f"{e}; the last good checkpoint is step {kept}") from None
@@ -216,15 +205,17 @@ def train(
     # --- budget: --minutes fixes the step count from measured costs (compile included)
     budget = None
     if config.train.minutes is not None and not existing:
-        steps = steps_for_budget(config, started, state, step_fn, device_batch, keys.mask,
-                                 evaluate, dataset, masker, run_dir, log.info)
+        steps = distributed.broadcast(steps_for_budget(
+            config, started, state, step_fn, device_batch, keys.mask, evaluate, dataset, masker,
+            run_dir, log.info))
         config = replace(config, train=replace(config.train, steps=steps,
                                                budget_revisions=((0, steps),)))
         state = with_total_steps(state, steps)
         budget = Budget(config.train.minutes, started)
 
     # --- checkpoints: an extension needs a finished run
-    checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
+    checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints,
+                                     primary=primary)
     if extending:
         done, before = checkpointer.latest_step(), config.train.extended_from[-1]
         if done != before:
@@ -234,7 +225,7 @@ def train(
 
     # --- run directory and frozen eval masks
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not existing:
+    if not existing and primary:
         write_run_files(run_dir, config, {
             "dataset": str(Path(data_dir).absolute()),
             "dataset_fingerprint": dataset.fingerprint,
@@ -246,12 +237,13 @@ def train(
             "init_from": str(Path(init_from).absolute()) if init_from else None,
         })
         files.write_bytes(run_dir / TOKENIZER_FILE, dataset.tokenizer_path.read_bytes())
-    elif extending:
+    elif extending and primary:
         files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
         log.info(f"extending run {run_dir} from {config.train.extended_from[-1]} to "
                  f"{config.train.steps} steps (schedule re-created for {config.train.steps})")
     eval_masks, _ = heldout.ensure_eval_masks(run_dir, dataset, masker, config.train.eval_seed,
-                                              config.train.eval_rows, say=log.info)
+                                              config.train.eval_rows, say=log.info,
+                                              write=primary)
     sample = heldout.sample_indices(eval_masks.rows.size, config.train.eval_sample,
                                     config.train.eval_seed)
 
@@ -278,6 +270,7 @@ def train(
         devices=n_devices, platform=jax.devices()[0].platform, dtype=config.model.compute_dtype,
         params=n_params, batch_tokens=config.train.batch_size * seq_len, steps=config.train.steps,
         start=start, microbatches=config.train.microbatches, fsdp=config.train.fsdp,
+        processes=jax.process_count(),
     )
 
     # --- loop
@@ -353,12 +346,14 @@ def train(
                 log.metrics(record)
             if budget is not None and due_log:
                 revised = budget.revise(step, t.steps, t.eval_every, t.save_every)
-                if revised is not None:
+                revised = distributed.broadcast(-1 if revised is None else revised)
+                if revised >= 0:
                     t = replace(t, steps=revised, budget_revisions=(
                         *t.budget_revisions, (step, revised)))
                     config = replace(config, train=t)
                     state = with_total_steps(state, revised)
-                    files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
+                    if primary:
+                        files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
                     end = revised if stop_after is None else min(revised, stop_after)
                     prefetch.stop_at(end)
                     log.retotal(revised)

@@ -10,14 +10,40 @@ from jax.sharding import PartitionSpec as P
 
 
 def make_mesh(devices: int | None) -> Mesh:
-    available = jax.local_devices()
+    """The ``data`` axis over every device of the job (all processes'), each process's devices
+    contiguous, so that each process holds one contiguous block of every global batch."""
+    available = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = len(available) if devices is None else devices
     if n > len(available):
         raise ValueError(
             f"train.devices={n} but only {len(available)} device(s) are visible; lower it "
             "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)"
         )
+    if jax.process_count() > 1 and n != len(available):
+        raise ValueError(f"train.devices={n} would leave out devices of a {jax.process_count()}"
+                         f"-process job ({len(available)} devices); leave train.devices unset")
     return Mesh(np.array(available[:n]), ("data",))
+
+
+def process_rows(sharding, batch: int) -> slice:
+    """The rows of a (batch, ...) array sharded by ``sharding`` that this process holds: one
+    contiguous block (``make_mesh`` orders devices by process)."""
+    index = sharding.addressable_devices_indices_map((batch,))
+    starts = sorted(i[0].start or 0 for i in index.values())
+    stops = sorted(batch if i[0].stop is None else i[0].stop for i in index.values())
+    return slice(starts[0], stops[-1])
+
+
+def global_batch(sharding, local: dict, batch: int) -> dict:
+    """A global array per entry of ``local`` (this process's rows, ``process_rows``)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, (batch, *v.shape[1:]))
+            for k, v in local.items()}
+
+
+def from_host(sharding, arrays):
+    """Global arrays from host arrays every process holds whole (small evaluation batches)."""
+    return [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+            for a in arrays]
 
 
 def state_shardings(state, mesh: Mesh, fsdp: bool):

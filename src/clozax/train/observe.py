@@ -13,7 +13,10 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class TrainLog:
-    def __init__(self, run_dir: Path, console: Console | None = None):
+    """What a run reports. Only one process of a multi-process job reports (``enabled``)."""
+
+    def __init__(self, run_dir: Path, console: Console | None = None, enabled: bool = True):
+        self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.console = console or Console(stderr=True, highlight=False)
         self.progress: Progress | None = None
@@ -22,18 +25,24 @@ class TrainLog:
         self._last_record: dict = {}
 
     def info(self, message: str) -> None:
-        self.console.print(message)
+        if self.enabled:
+            self.console.print(message)
 
     def header(self, *, devices, platform, dtype, params, batch_tokens, steps, start,
-               microbatches, fsdp=False) -> None:
+               microbatches, fsdp=False, processes=1) -> None:
+        if not self.enabled:
+            return
         placement = "sharded (fsdp)" if fsdp and devices > 1 else "replicated"
         self.console.print(
-            f"clozax train: {devices} {platform} device(s), compute {dtype}, "
+            f"clozax train: {devices} {platform} device(s)"
+            + (f" in {processes} processes" if processes > 1 else "") + f", compute {dtype}, "
             f"{params / 1e6:.2f}M parameters {placement}, effective batch {batch_tokens} tokens "
             f"({microbatches} microbatch(es)), steps {start}->{steps}"
         )
 
     def start(self, total: int, completed: int) -> None:
+        if not self.enabled:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             from tensorboardX import SummaryWriter  # optional extra
@@ -58,6 +67,8 @@ class TrainLog:
                                            loss="-", tps="-")
 
     def metrics(self, record: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.run_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
         self._last_record = record
@@ -76,7 +87,7 @@ class TrainLog:
                 f"{ev['loss']:.4f} acc {ev['accuracy']:.4f} top5 {ev['top5_accuracy']:.4f} "
                 f"ppl {ev['perplexity']:.1f} ({ev['count']} positions)"
             )
-        elif self.progress is not None and self.progress.disable:
+        elif self.progress is not None and self.progress.disable and "lr" in record:
             self.console.print(
                 f"step {record['step']}: loss {record['loss']:.4f} "
                 f"lr {record.get('lr', 0):.2e} {record.get('tokens_per_s', 0):.0f} tok/s"

@@ -1,0 +1,168 @@
+"""Several processes, one run (JAX's multi-controller runtime, gloo collectives on CPU).
+
+One test (the launches dominate its time), several launches of the real CLI on localhost:
+2 processes x 2 simulated devices against 1 process x 4 devices, a process killed mid-run, and
+checkpoints moved between the two topologies, with and without fsdp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from clozax.train.run_dir import load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+TRAIN = ["--preset", "tiny", "--steps", str(STEPS), "--set", "train.batch_size=8",
+         "--set", "train.eval_every=4", "--set", "train.save_every=2", "--set", "train.log_every=1",
+         "--set", "train.eval_rows=16", "--set", "optim.warmup_steps=2"]
+HEARTBEAT_SECONDS = 5
+EXIT_BOUND_SECONDS = 60  # a survivor must exit within this after its peer is killed
+
+# Each process records every file write it makes (the run's files must come from process 0).
+RECORDING = """
+import os, sys
+from clozax.core import files
+from clozax.train import observe
+from clozax.cli import main
+
+log = os.environ["CLOZAX_TEST_WRITES"] + "-" + os.environ.get("CLOZAX_PROCESS_ID", "single")
+real_bytes, real_metrics = files.write_bytes, observe.TrainLog.metrics
+
+def write_bytes(path, data):
+    with open(log, "a") as f:
+        f.write(f"{path}\\n")
+    return real_bytes(path, data)
+
+def metrics(self, record):
+    if self.enabled:
+        with open(log, "a") as f:
+            f.write("metrics.jsonl\\n")
+    return real_metrics(self, record)
+
+files.write_bytes, observe.TrainLog.metrics = write_bytes, metrics
+main(sys.argv[1:])
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(data, out, processes: int, *extra, writes: Path | None = None):
+    """Start the job; returns the list of Popen (one per process)."""
+    devices = 4 // processes
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "CLOZAX_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
+           "CLOZAX_TEST_WRITES": str(writes or out.parent / f"{out.name}-writes")}
+    argv = ["train", "--data", str(data), "--out", str(out), *TRAIN, *extra]
+    port = _free_port()
+    procs = []
+    for i in range(processes):
+        penv = dict(env)
+        if processes > 1:
+            penv |= {"CLOZAX_COORDINATOR": f"localhost:{port}",
+                     "CLOZAX_NUM_PROCESSES": str(processes), "CLOZAX_PROCESS_ID": str(i)}
+        procs.append(subprocess.Popen([sys.executable, "-c", RECORDING, *argv], cwd=ROOT,
+                                      env=penv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _run(data, out, processes: int, *extra, writes: Path | None = None) -> None:
+    procs = _launch(data, out, processes, *extra, writes=writes)
+    for p in procs:
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output[-3000:]
+
+
+def _flat(run: Path) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel()
+                           for x in jax.tree.leaves(load_run(run).params)])
+
+
+def _losses(run: Path) -> dict:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "lr" in r}
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
+def _truncate(run: Path, keep: int) -> None:
+    """Keep the run's checkpoints up to step ``keep`` only (as if it had stopped there)."""
+    for d in (run / "checkpoints").iterdir():
+        if d.name.isdigit() and int(d.name) > keep:
+            shutil.rmtree(d)
+            (run / "checkpoint_digests" / f"{d.name}.json").unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_survive_faults_and_topology_changes(stdlib_data,
+                                                                             tmp_path):
+    one, two = tmp_path / "1x4", tmp_path / "2x2-fsdp"
+    _run(stdlib_data, one, 1)
+    _run(stdlib_data, two, 2, "--set", "train.fsdp=true")
+
+    # 2 processes x 2 devices (parameters sharded over all 4) = 1 process x 4 devices: the
+    # same loss each step, parameters and held-out loss.
+    reference = _losses(one)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    losses = _losses(two)
+    assert max(abs(losses[s] - reference[s]) / reference[s] for s in reference) < 1e-5
+    assert _rel(_flat(one), _flat(two)) < 1e-5
+    held_out = [json.loads((r / "metrics.jsonl").read_text().splitlines()[-1])["eval"]["loss"]
+                for r in (one, two)]
+    assert abs(held_out[0] - held_out[1]) / held_out[0] < 1e-5
+
+    # Only process 0 wrote the run's files, metrics included.
+    assert (tmp_path / "2x2-fsdp-writes-0").read_text().count("metrics.jsonl") == STEPS
+    assert not (tmp_path / "2x2-fsdp-writes-1").exists()
+
+    # One process killed: the other exits non-zero within the bound; the same launch resumes
+    # and ends bitwise equal to the uninterrupted 2-process run.
+    killed = tmp_path / "killed"
+    procs = _launch(stdlib_data, killed, 2, "--set", "train.fsdp=true")
+    deadline = time.time() + 240
+    while time.time() < deadline and not (killed / "checkpoint_digests" / "4.json").exists():
+        time.sleep(0.05)
+    assert all(p.poll() is None for p in procs), "the job finished before it could be killed"
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    procs[0].communicate(timeout=EXIT_BOUND_SECONDS + 30)
+    survivor_exit = time.time() - killed_at
+    assert procs[0].returncode != 0 and survivor_exit < EXIT_BOUND_SECONDS
+    procs[1].communicate()
+    _run(stdlib_data, killed, 2, "--set", "train.fsdp=true")
+    assert np.array_equal(_flat(killed), _flat(two))
+
+    # A 2-process checkpoint resumes on 1 process, and a 1-process one on 2 processes (without
+    # fsdp: the 2-process steps of this one cover the replicated layout).
+    for source, processes in ((two, 1), (one, 2)):
+        moved = tmp_path / f"{source.name}-on-{processes}"
+        shutil.copytree(source, moved)
+        _truncate(moved, 4)
+        (moved / "metrics.jsonl").write_text("")
+        _run(stdlib_data, moved, processes)
+        assert load_run(moved).step == STEPS
+        assert _rel(_flat(source), _flat(moved)) < 1e-5
+        a, b = (json.loads((r / "metrics.jsonl").read_text().splitlines()[-1])["eval"]
+                for r in (source, moved))
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5 and a["count"] == b["count"]
+    print(f"survivor exited {survivor_exit:.1f} s after its peer was killed "
+          f"(heartbeat {HEARTBEAT_SECONDS} s)")
