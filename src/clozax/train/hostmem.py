@@ -66,3 +66,8 @@ def keep_freed_memory() -> bool:
     _applied = all(mallopt(option, value) == 1 for option, value in (
         (M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _NEVER_TRIM)))
     return _applied
+
+
+def applied() -> bool:
+    """Whether ``keep_freed_memory`` took in this process (the step's scratch stays mapped)."""
+    return bool(_applied)

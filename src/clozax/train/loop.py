@@ -37,7 +37,7 @@ from clozax.data.dataset import open_dataset
 from clozax.data.loader import Prefetcher, batch_rows, host_batch
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
-from clozax.train import distributed, heldout
+from clozax.train import distributed, heldout, hostmem
 from clozax.train.budget import Budget, process_started, steps_for_budget
 from clozax.train.config import RunConfig, schedule_length
 from clozax.train.mesh import (
@@ -287,6 +287,8 @@ def train(
             with jax.transfer_guard_device_to_host("disallow"):  # no per-step host read
                 state, metrics = step_fn(state, batch, keys.mask)
             step = i + 1
+            if pending:  # one step queued behind the running one, no further (a wait, no read):
+                jax.block_until_ready(pending[-1][1])  # unbounded run-ahead fragmented the heap
             pending.append((step, metrics))
             if step == start + 1:  # the first step of this process: say what compiling cost
                 jax.block_until_ready(metrics)
@@ -336,6 +338,8 @@ def train(
             if due_save:  # started now, written in the background while training goes on
                 t_save = time.perf_counter()
                 checkpointer.save(step, state, {"config": config.to_dict()})
+                if hostmem.applied():  # CPU host: the same cores would write it, and the save's
+                    checkpointer.wait()  # buffers between steps fragment the one kept arena
                 last_save = time.perf_counter()
                 if budget is not None:
                     budget.spent_outside(last_save - t_save)
