@@ -50,8 +50,8 @@ def prepare(
     out: Annotated[Path, typer.Option(help="Dataset directory to create.")],
     corpus: Annotated[
         str,
-        typer.Option(help="'stdlib' (docstrings of this Python's standard library) or a path: "
-                     "a directory of .txt/.md/.jsonl/.parquet files, or one such file."),
+        typer.Option(help="'stdlib', a directory, a quoted glob or one file: .txt/.md/.jsonl "
+                     "(also .gz/.zst), .parquet, .arrow (datasets' save_to_disk)."),
     ] = "stdlib",
     text_field: Annotated[str, typer.Option(help="JSONL/parquet field with the text.")] = "text",
     group_field: Annotated[
@@ -62,6 +62,10 @@ def prepare(
     label_field: Annotated[
         str | None, typer.Option(help="JSONL/parquet field with a label for probes.")
     ] = None,
+    text_unit: Annotated[str, typer.Option(
+        help="A .txt/.md document: 'file', 'paragraph' or 'line'.")] = "file",
+    group_by: Annotated[str, typer.Option(
+        help="Split group without --group-field: 'document' or 'file'.")] = "document",
     heldout_fraction: Annotated[
         float, typer.Option(help="Share of groups held out (by keyed hash of the group).")
     ] = 0.05,
@@ -91,14 +95,10 @@ def prepare(
     quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
 ):
     """Read a corpus, split it by document group, train a frozen tokenizer, pack rows."""
+    options = dict(locals())  # every option above is a PrepareConfig field, or quiet
     from clozax.data import prepare as prepare_dataset
 
-    prepare_dataset(
-        out, corpus=corpus, text_field=text_field, group_field=group_field,
-        label_field=label_field, heldout_fraction=heldout_fraction, seed=seed,
-        tokenizer_model=tokenizer_model, tokenizer=tokenizer, vocab_size=vocab_size,
-        lowercase=lowercase, seq_len=seq_len, strict=strict, overwrite=overwrite, quiet=quiet,
-    )
+    prepare_dataset(options.pop("out"), **options)
 
 
 @app.command()

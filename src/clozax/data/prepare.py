@@ -46,7 +46,7 @@ from clozax.data.packing import (
     BestFitPacker,
     chunk_document,
 )
-from clozax.data.readers import FieldNames, Record, read_corpus
+from clozax.data.readers import FieldNames, Layout, Record, read_corpus
 from clozax.data.split import HELDOUT, SPLITS, TRAIN, assign_split, group_key
 from clozax.data.tokenizer import (
     TOKENIZER_MODELS,
@@ -69,6 +69,8 @@ class PrepareConfig:
     text_field: str = "text"
     group_field: str | None = None
     label_field: str | None = None
+    text_unit: str = "file"
+    group_by: str = "document"
     heldout_fraction: float = 0.05
     seed: int = 0
     tokenizer_model: str = "bpe"
@@ -98,6 +100,7 @@ class PrepareConfig:
             raise ValueError(f"--seed {self.seed} does not fit 64 bits; pick a smaller seed")
         if not self.text_field:
             raise ValueError("--text-field is empty; name the field holding the text")
+        Layout(self.text_unit, self.group_by)  # validates both
 
 
 def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = None,
@@ -121,7 +124,8 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
     if config.tokenizer is not None:
         load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
     names = FieldNames(config.text_field, config.group_field, config.label_field)
-    records = read_corpus(config.corpus, names, config.strict)  # checks the path now
+    records = read_corpus(config.corpus, names, config.strict,  # checks the path now
+                          Layout(config.text_unit, config.group_by))
     remove_stale_partials(out)
     started = time.perf_counter()
     with staged_dir(out) as tmp:
@@ -202,6 +206,7 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "clozax_version": clozax.__version__,
         "corpus": {"source": config.corpus, "text_field": config.text_field,
                    "group_field": config.group_field, "label_field": config.label_field,
+                   "text_unit": config.text_unit, "group_by": config.group_by,
                    **({"python": platform.python_version()} if config.corpus == "stdlib"
                       else {})},
         "documents": {"read": accounting.read, "kept": accounting.kept,
