@@ -83,6 +83,8 @@ def prepare(
                      "must contain [PAD] [UNK] [CLS] [SEP] [MASK]."),
     ] = None,
     vocab_size: Annotated[int, typer.Option(help="Vocabulary size of a trained tokenizer.")] = 8192,
+    tokenizer_sample: Annotated[int | None, typer.Option(
+        help="Train the tokenizer on this many train documents (a keyed sample).")] = None,
     lowercase: Annotated[bool, typer.Option(help="Lowercase text in the tokenizer.")] = True,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed row (8..512).")] = 128,
     strict: Annotated[

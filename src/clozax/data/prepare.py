@@ -12,6 +12,7 @@ complete, so a crash leaves no partial output):
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import platform
@@ -31,7 +32,7 @@ import clozax
 from clozax.core import files
 from clozax.core.files import file_sha256, remove_stale_partials, staged_dir
 from clozax.core.vocab import SPECIAL_NAMES
-from clozax.data.corpus import Accounting, clean
+from clozax.data.corpus import MAX_RUN_CHARS, Accounting, DiskSet, clean
 from clozax.data.dataset import (
     FORMAT_VERSION,
     SplitWriter,
@@ -47,6 +48,7 @@ from clozax.data.packing import (
     chunk_document,
 )
 from clozax.data.readers import FieldNames, Layout, Record, read_corpus
+from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from clozax.data.split import HELDOUT, SPLITS, TRAIN, assign_split, group_key
 from clozax.data.tokenizer import (
     TOKENIZER_MODELS,
@@ -56,6 +58,8 @@ from clozax.data.tokenizer import (
 )
 
 ENCODE_BATCH = 1024  # documents per encode_batch call; speed only
+ENCODE_BATCH_CHARS = 1 << 18  # and at most this many characters; memory only
+_SETS_FILE = "sets.sqlite"
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
 
@@ -76,6 +80,7 @@ class PrepareConfig:
     tokenizer_model: str = "bpe"
     tokenizer: Path | None = None
     vocab_size: int = 8192
+    tokenizer_sample: int | None = None
     lowercase: bool = True
     seq_len: int = 128
     strict: bool = False
@@ -101,6 +106,9 @@ class PrepareConfig:
         if not self.text_field:
             raise ValueError("--text-field is empty; name the field holding the text")
         Layout(self.text_unit, self.group_by)  # validates both
+        if self.tokenizer_sample is not None and self.tokenizer_sample < 1:
+            raise ValueError(f"--tokenizer-sample {self.tokenizer_sample} must be at least 1 "
+                             "(documents to train the tokenizer on); omit it to use them all")
 
 
 def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = None,
@@ -149,23 +157,26 @@ def _progress(quiet: bool) -> Progress:
 
 def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
            progress: Progress) -> dict:
-    # 1. read, clean, split, spool
+    # 1. read, clean, split, spool. Dedup digests and group keys live on disk (DiskSet), so
+    # memory does not grow with the corpus; a group's side is its keyed hash alone.
     accounting = Accounting()
     spools = {split: (tmp / f"{split}.spool.jsonl").open("w", encoding="utf-8")
               for split in SPLITS}
-    # Groups are counted by their 64-bit keys, not names, to keep memory small.
-    groups: dict[str, set[int]] = {split: set() for split in SPLITS}
+    sets = DiskSet(tmp / _SETS_FILE, ("digests", *(f"{split}_groups" for split in SPLITS)))
     docs = dict.fromkeys(SPLITS, 0)
     reading = progress.add_task("reading", total=None, detail="")
-    for doc in clean(records, accounting):
+    for doc in clean(records, accounting, sets):
         key = group_key(doc.group, config.seed)
         split = assign_split(key, config.heldout_fraction)
-        groups[split].add(key)
+        sets.add(f"{split}_groups", key.to_bytes(8, "little"))
         docs[split] += 1
         spools[split].write(json.dumps(asdict(doc), ensure_ascii=False) + "\n")
         progress.advance(reading)
     for f in spools.values():
         f.close()
+    groups = {split: sets.count(f"{split}_groups") for split in SPLITS}
+    sets.close()
+    (tmp / _SETS_FILE).unlink()
     progress.update(reading, total=accounting.read, completed=accounting.read)
     accounting.check()
     _check_corpus(config, accounting, groups)
@@ -176,10 +187,13 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         tok = load_tokenizer(config.tokenizer)
         shutil.copyfile(config.tokenizer, tokenizer_path)  # unchanged, byte for byte
     else:
-        training = progress.add_task("training tokenizer", total=docs[TRAIN], detail="")
-        texts = _texts(tmp / f"{TRAIN}.spool.jsonl", progress, training)
+        spool = tmp / f"{TRAIN}.spool.jsonl"
+        threshold = _sample_threshold(spool, config.tokenizer_sample, config.seed)
+        n_train = docs[TRAIN] if threshold is None else config.tokenizer_sample
+        training = progress.add_task("training tokenizer", total=n_train, detail="")
+        texts = _texts(spool, progress, training, threshold, config.seed)
         tok = train_tokenizer(texts, model=config.tokenizer_model, vocab_size=config.vocab_size,
-                              lowercase=config.lowercase, length=docs[TRAIN])
+                              lowercase=config.lowercase, length=n_train)
         tok.save(str(tokenizer_path))
     specials = find_specials(tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -190,7 +204,7 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         stats = _pack_split(config, tmp, split, tok, specials, token_dtype(vocab_size),
                             progress, docs[split], accounting)
         ids_sha256[split] = stats.pop("document_ids_sha256")
-        split_stats[split] = {"groups": len(groups[split]), **stats}
+        split_stats[split] = {"groups": groups[split], **stats}
         (tmp / f"{split}.spool.jsonl").unlink()
     accounting.check()
     for split in SPLITS:
@@ -218,6 +232,7 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
             "file": tokenizer_path.name, "sha256": file_sha256(tokenizer_path),
             "vocab_size": vocab_size,
             "trained_on": "given" if config.tokenizer else TRAIN,
+            "sample": None if config.tokenizer else config.tokenizer_sample,
             "model": "given" if config.tokenizer else config.tokenizer_model,
             "lowercase": None if config.tokenizer else config.lowercase,
             "specials": specials,
@@ -226,6 +241,10 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "packing_efficiency": real / total,
         "heldout_fraction": config.heldout_fraction,
         "seed": config.seed,
+        # What is cut before the tokenizer so that no input shape costs more than linear time
+        # or unbounded memory (see readers, sources, corpus).
+        "caps": {"document_chars": MAX_DOCUMENT_CHARS, "run_chars": MAX_RUN_CHARS,
+                 "jsonl_line_bytes": MAX_LINE_BYTES},
     }
     # Everything that determines the rows; its hash is the dataset's fingerprint.
     manifest["identity"] = {
@@ -244,14 +263,14 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
 
 
 def _check_corpus(config: PrepareConfig, accounting: Accounting,
-                  groups: dict[str, set[int]]) -> None:
+                  groups: dict[str, int]) -> None:
     if accounting.kept == 0:
         if accounting.skipped:
             first = "; ".join(f"{s['source']}: {s['reason']}" for s in accounting.skips[:3])
             raise ValueError(f"every one of the {accounting.read} documents in {config.corpus} "
                              f"was skipped (first: {first}); fix the input or --text-field")
         raise ValueError(f"corpus {config.corpus} has no non-empty documents; add text")
-    n_groups = len(groups[TRAIN]) + len(groups[HELDOUT])
+    n_groups = groups[TRAIN] + groups[HELDOUT]
     for split, other in ((HELDOUT, TRAIN), (TRAIN, HELDOUT)):
         if not groups[split]:
             raise ValueError(
@@ -267,19 +286,40 @@ def _spool(path: Path) -> Iterator[dict]:
             yield json.loads(line)
 
 
-def _texts(path: Path, progress: Progress, task) -> Iterator[str]:
+def _sample_key(doc_id: str, seed: int) -> int:
+    """A document's place in the tokenizer sample: a keyed hash of its id."""
+    key = b"tokenizer-sample" + seed.to_bytes(8, "little", signed=True)
+    return int.from_bytes(hashlib.blake2b(bytes.fromhex(doc_id), digest_size=8,
+                                          key=key).digest(), "little")
+
+
+def _sample_threshold(spool: Path, sample: int | None, seed: int) -> int | None:
+    """The largest sample key among the ``sample`` smallest, or None to take every document.
+    Memory: ``sample`` integers (ids are unique after dedup, so exactly ``sample`` pass)."""
+    if sample is None:
+        return None
+    keys = heapq.nsmallest(sample + 1, (_sample_key(r["id"], seed) for r in _spool(spool)))
+    return keys[sample - 1] if len(keys) > sample else None
+
+
+def _texts(path: Path, progress: Progress, task, threshold: int | None,
+           seed: int) -> Iterator[str]:
     for record in _spool(path):
-        progress.advance(task)
-        yield record["text"]
+        if threshold is None or _sample_key(record["id"], seed) <= threshold:
+            progress.advance(task)
+            yield record["text"]
 
 
 def _batches(path: Path) -> Iterator[list[dict]]:
-    batch = []
+    """Spooled records in batches bounded in count and in characters (the tokenizer's memory
+    is ~200 bytes per character of a batch)."""
+    batch, chars = [], 0
     for record in _spool(path):
         batch.append(record)
-        if len(batch) == ENCODE_BATCH:
+        chars += len(record["text"])
+        if len(batch) == ENCODE_BATCH or chars >= ENCODE_BATCH_CHARS:
             yield batch
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield batch
 

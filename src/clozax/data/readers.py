@@ -28,6 +28,7 @@ from pathlib import Path
 
 from clozax.data.sources import (
     MAX_DOCUMENT_CHARS,
+    MAX_LINE_BYTES,
     SEPARATORS,
     BadBytes,
     check_readable,
@@ -43,7 +44,6 @@ from clozax.data.sources import (
 
 TEXT_UNITS = ("file", "paragraph", "line")
 GROUP_BY = ("document", "file")
-MAX_LINE_BYTES = 16 << 20  # one JSONL row
 _ROW_BATCH = 1024  # parquet/arrow rows per batch
 
 # Directories of the stdlib that hold tests, fixtures or third-party code, not documentation.

@@ -29,6 +29,7 @@ BLOCK_BYTES = 1 << 18  # streamed reads: 256 KiB at a time
 # Longer documents are cut into parts; the tokenizer's memory is ~200 bytes per character of
 # one document, so this keeps a single document's cost near 20 MB.
 MAX_DOCUMENT_CHARS = 100_000
+MAX_LINE_BYTES = 16 << 20  # one JSONL row; longer ones are skipped without being held
 SEPARATORS = {"paragraph": re.compile(r"\n(?:[^\S\n]*\n)+"), "line": re.compile(r"\n")}
 _GLOB_CHARS = set("*?[")
 
