@@ -70,13 +70,9 @@ def prepare(
         float, typer.Option(help="Share of groups held out (by keyed hash of the group).")
     ] = 0.05,
     seed: Annotated[int, typer.Option(help="Key of the split hash.")] = 0,
-    tokenizer_model: Annotated[
-        str,
-        typer.Option(help="'bpe' (deterministic) or 'wordpiece'. WARNING: the wordpiece "
-                     "trainer of HF tokenizers gives a different vocabulary in every run on "
-                     "the same data (huggingface/tokenizers #1794), so its output is not "
-                     "reproducible."),
-    ] = "bpe",
+    tokenizer_model: Annotated[str, typer.Option(
+        help="'bpe' (deterministic) or 'wordpiece' (NOT reproducible: HF tokenizers' wordpiece "
+        "trainer differs run to run, huggingface/tokenizers #1794).")] = "bpe",
     tokenizer: Annotated[
         Path | None,
         typer.Option(help="Use this tokenizer.json unchanged instead of training one; it "
@@ -94,6 +90,8 @@ def prepare(
     overwrite: Annotated[
         bool, typer.Option(help="Replace an existing output directory (atomically).")
     ] = False,
+    workers: Annotated[int | None, typer.Option(
+        help="Processes packing shards (default: every core); output is the same.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
 ):
     """Read a corpus, split it by document group, train a frozen tokenizer, pack rows."""
