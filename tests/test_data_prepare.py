@@ -207,8 +207,8 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "all binary": (["--corpus", str(tmp_path / "binary")], "a.txt: binary content"),
         "strict": (["--corpus", str(tmp_path / "bad.jsonl"), "--strict"],
                    "bad.jsonl:2: not valid JSON"),
-        "seq-len small": ([*c, "--seq-len", "4"], "--seq-len 4 is outside [8, 512]"),
-        "seq-len large": ([*c, "--seq-len", "1024"], "--seq-len 1024 is outside"),
+        "seq-len small": ([*c, "--seq-len", "4"], "--seq-len 4 is outside [8, 8192]"),
+        "seq-len large": ([*c, "--seq-len", "9000"], "--seq-len 9000 is outside"),
         "vocab too small": ([*c, "--vocab-size", "12"], "--vocab-size 12 is too small"),
         "heldout empty": ([*c, "--heldout-fraction", "0.0001"], "heldout split would be empty"),
         "output exists": ([*c], "already exists; pass --overwrite"),
@@ -270,3 +270,16 @@ def test_overwrite_refuses_a_directory_that_is_not_a_dataset(tmp_path):
 def test_unknown_prepare_option_lists_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="unknown prepare option.*seq_lenn.*valid: corpus"):
         prepare(tmp_path / "ds", seq_lenn=64)
+
+
+def test_rows_longer_than_512_are_packed_for_models_configured_for_them(tmp_path):
+    corpus = tmp_path / "long.jsonl"
+    rng = random.Random(3)
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(
+        900))}) + "\n" for _ in range(12)))
+    manifest = prepare(tmp_path / "ds", corpus=str(corpus), vocab_size=120, seq_len=1024,
+                       heldout_fraction=0.3, quiet=True)
+    ds = open_dataset(tmp_path / "ds")
+    assert ds.train.tokens.shape == (manifest["splits"]["train"]["rows"], 1024)
+    assert max(int(np.count_nonzero(ds.train.segments[r] == 1)) for r in range(ds.train.rows)) \
+        > 512  # one document's piece longer than the old cap

@@ -82,7 +82,8 @@ def prepare(
     tokenizer_sample: Annotated[int | None, typer.Option(
         help="Train the tokenizer on this many train documents (a keyed sample).")] = None,
     lowercase: Annotated[bool, typer.Option(help="Lowercase text in the tokenizer.")] = True,
-    seq_len: Annotated[int, typer.Option(help="Tokens per packed row (8..512).")] = 128,
+    seq_len: Annotated[int, typer.Option(
+        help="Tokens per packed row, 8..8192 (train needs model.max_positions >= it).")] = 128,
     strict: Annotated[
         bool, typer.Option(help="Stop at the first unreadable, binary or malformed input "
                            "instead of skipping it.")

@@ -66,7 +66,7 @@ from clozax.data.tokenizer import (
 
 # Characters of text per spool shard, hence per data shard: large enough that the built-in
 # corpus is one shard per split, small enough that a large corpus spreads over the workers.
-SHARD_CHARS = 1 << 25
+SHARD_CHARS = 1 << 22
 SPEED_ONLY = ("workers", "overwrite")  # not in the resume key: they change no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
@@ -99,8 +99,8 @@ class PrepareConfig:
     def __post_init__(self):
         if not MIN_SEQ_LEN <= self.seq_len <= MAX_SEQ_LEN:
             raise ValueError(f"--seq-len {self.seq_len} is outside [{MIN_SEQ_LEN}, "
-                             f"{MAX_SEQ_LEN}] (the model's maximum positions); pick a value "
-                             "in that range")
+                             f"{MAX_SEQ_LEN}]; pick a value in that range (and train with "
+                             "model.max_positions at least as large)")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"--heldout-fraction {self.heldout_fraction} must be strictly "
                              "between 0 and 1; 0.05 is the default")
