@@ -42,12 +42,10 @@ class Piece:
 
 def word_start_flags(word_ids: list[int | None]) -> list[bool]:
     """True at the first token of each word; a token without a word id is its own word."""
-    flags = []
-    previous = None
-    for i, w in enumerate(word_ids):
-        flags.append(w is None or i == 0 or w != previous)
-        previous = w
-    return flags
+    ids = np.array(word_ids, dtype=np.float64)  # (tokens,) None -> nan, which equals nothing
+    flags = np.ones(ids.size, dtype=bool)
+    flags[1:] = ids[1:] != ids[:-1]
+    return flags.tolist()
 
 
 def chunk_document(doc: int, ids: list[int], word_ids: list[int | None], *, seq_len: int,

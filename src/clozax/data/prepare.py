@@ -330,7 +330,9 @@ def _read_split_spool(config: PrepareConfig, records: Iterator[Record], tmp: Pat
             spools[split] = spool_path(tmp, split, shards[split]).open("w", encoding="utf-8")
         docs[split] += 1
         chars[split] += len(doc.text)
-        spools[split].write(json.dumps(asdict(doc), ensure_ascii=False) + "\n")
+        record = {"id": doc.id, "text": doc.text, "group": doc.group, "label": doc.label,
+                  "source": doc.source}  # asdict(doc), without its deep copies
+        spools[split].write(json.dumps(record, ensure_ascii=False) + "\n")
         progress.advance(reading)
     for f in spools.values():
         f.close()
