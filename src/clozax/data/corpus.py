@@ -4,8 +4,8 @@ Every record read is counted exactly once: kept, duplicate, or skipped with a re
 ``read == kept + duplicates + skipped`` always holds (asserted at the end of a run).
 
 Memory does not grow with the corpus: ``prepare`` keeps the digests already seen (and the
-split's group keys) in a ``DiskSet``, an SQLite table whose page cache is capped, instead of a
-Python set (~150 bytes per document). Exact, so no false positive to state.
+split's group keys) in a ``DiskSet``, an SQLite table whose page cache is capped (16 MiB),
+instead of a Python set (~150 bytes per document). Exact, so no false positive to state.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ MAX_LISTED_SKIPS = 1000
 # would stall it for minutes. The built-in corpus's longest run is 89 characters.
 MAX_RUN_CHARS = 128
 # Page cache of each DiskSet: its whole memory, however many keys it holds.
-DISK_SET_CACHE_BYTES = 32 << 20
+DISK_SET_CACHE_BYTES = 16 << 20
 
 _HORIZONTAL_SPACE = re.compile(r"[^\S\n]+")
 _BLANK_LINES = re.compile(r"\n{3,}")

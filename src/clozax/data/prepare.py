@@ -225,26 +225,27 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
     run_shards(tmp, tasks, config.seq_len, config.workers or os.cpu_count() or 1,
                done=lambda: progress.advance(packing))
     split_stats, ids_sha256, index = {}, {}, {}
+    keys = ("documents", "rows", "tokens", "chunks", "chunked_documents")
     for split in SPLITS:
-        results = [files.read_json(result_path(tmp, split, k)) for k in range(n_shards[split])]
         ids_hash, counts = hashlib.sha256(), np.zeros(vocab_size, np.int64)
-        for result in results:  # in shard order: the same as one process would
+        total, index[split], skipped = dict.fromkeys(keys, 0), [], 0
+        for k in range(n_shards[split]):  # in shard order, one result held at a time
+            result = files.read_json(result_path(tmp, split, k))
             for source, reason in result["skips"]:
                 accounting.unkeep(source, reason)
             ids_hash.update(b"".join(bytes.fromhex(i) for i in result["ids"]))
             counts += np.asarray(result["counts"], np.int64)
+            index[split].append({key: result[key] for key in ("name", "rows", "documents",
+                                                              "tokens")})
+            total = {key: total[key] + result[key] for key in keys}
+            skipped += len(result["skips"])
         np.save(tmp / unigram_file(split), counts)
         ids_sha256[split] = ids_hash.hexdigest()
-        index[split] = [{k: r[k] for k in ("name", "rows", "documents", "tokens")}
-                        for r in results]
-        total = {k: sum(r[k] for r in results) for k in
-                 ("documents", "rows", "tokens", "chunks", "chunked_documents")}
         split_stats[split] = {
             "groups": groups[split], "documents": total["documents"], "rows": total["rows"],
             "tokens": total["tokens"], "pad_tokens": total["rows"] * config.seq_len -
             total["tokens"], "chunks": total["chunks"],
-            "chunked_documents": total["chunked_documents"],
-            "skipped_documents": sum(len(r["skips"]) for r in results)}
+            "chunked_documents": total["chunked_documents"], "skipped_documents": skipped}
     accounting.check()
     for split in SPLITS:
         if split_stats[split]["documents"] == 0:
@@ -389,8 +390,10 @@ def print_summary(manifest: dict, console: Console, seconds: float | None = None
     console.print(table)
     t = manifest["tokenizer"]
     console.print(f"seq_len {manifest['seq_len']}, packing efficiency "
-                  f"{manifest['packing_efficiency']:.4f}")
-    console.print(f"tokenizer {t['model']} (trained on {t['trained_on']}), vocab "
+                  f"{manifest['packing_efficiency']:.4f}, shards " +
+                  ", ".join(f"{k} {len(v)}" for k, v in manifest["shards"].items()))
+    sample = f", a sample of {t['sample']:,} documents" if t.get("sample") else ""
+    console.print(f"tokenizer {t['model']} (trained on {t['trained_on']}{sample}), vocab "
                   f"{t['vocab_size']:,}, sha256 {t['sha256']}")
     if seconds is not None:
         console.print(f"prepared in {seconds:.1f} s")
