@@ -93,12 +93,13 @@ def _batches(path: Path) -> Iterator[list[dict]]:
         yield batch
 
 
-def pack_shard(tmp: Path, split: str, k: int, seq_len: int) -> dict:
+def pack_shard(tmp: Path, split: str, k: int, seq_len: int,
+               tok: Tokenizer | None = None) -> dict:
     """Encode, chunk and pack spool shard ``k`` of ``split`` into data shard ``k``; returns
     (and writes to ``result_path``) its counts. A document with no token that could ever be
     selected (empty after tokenization, or only specials such as a literal ``[MASK]``) is
     listed in ``skips`` with its reason, so no row can lack an eligible position."""
-    tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
+    tok = tok or Tokenizer.from_file(str(tmp / "tokenizer.json"))
     specials = find_specials(tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     writer = SplitWriter(tmp, split, shard_name(k), seq_len, vocab_size,
@@ -142,8 +143,9 @@ def run_shards(tmp: Path, tasks: list[tuple[str, int]], seq_len: int, workers: i
     todo = [t for t in tasks if files.read_json(result_path(tmp, *t)) is None]
     (tmp / "results").mkdir(exist_ok=True)
     if workers <= 1 or len(todo) <= 1:
+        tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
         for split, k in todo:
-            pack_shard(tmp, split, k, seq_len)
+            pack_shard(tmp, split, k, seq_len, tok)
             done()
             if os.environ.get(PAUSE_AFTER_SHARD_ENV):
                 time.sleep(float(os.environ[PAUSE_AFTER_SHARD_ENV]))
@@ -169,8 +171,10 @@ def run_shards(tmp: Path, tasks: list[tuple[str, int]], seq_len: int, workers: i
 
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    tmp = Path(spec["tmp"])
+    tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))  # one per process: memory stays flat
     for split, k in spec["tasks"]:
-        pack_shard(Path(spec["tmp"]), split, int(k), int(spec["seq_len"]))
+        pack_shard(tmp, split, int(k), int(spec["seq_len"]), tok)
 
 
 if __name__ == "__main__":
