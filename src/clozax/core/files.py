@@ -5,7 +5,10 @@ reader never sees half a file (used for every file a later step reads). ``staged
 a hidden temporary sibling directory (``.NAME.partial-PID``) and renames it into place when
 done; on any failure (an exception, Ctrl-C) the temporary directory is removed, and an
 existing ``out`` is kept until the new one is complete. A SIGKILL leaves only the hidden
-partial, which ``remove_stale_partials`` clears once its process is gone.
+partial, which ``remove_stale_partials`` clears once its process is gone. A resumable writer
+(``clozax prepare``) names its partial ``.NAME.partial-rKEY`` instead, owns it through a
+``lock`` file (``claim_dir``) and publishes it with ``publish_dir``; a killed run's partial is
+kept for the next run with the same key.
 """
 
 from __future__ import annotations
