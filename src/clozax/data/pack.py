@@ -37,6 +37,10 @@ ENCODE_BATCH = 1024  # documents per encode_batch call; speed only
 ENCODE_BATCH_CHARS = 1 << 18  # and at most this many characters; memory only
 
 
+class WorkerFailed(ValueError):
+    """A worker process failed; the shards finished so far are kept for a resumed run."""
+
+
 def result_path(tmp: Path, split: str, k: int) -> Path:
     return tmp / "results" / f"{split}-{k:05d}.result.json"
 
@@ -139,7 +143,7 @@ def pack_shard(tmp: Path, split: str, k: int, seq_len: int,
 def run_shards(tmp: Path, tasks: list[tuple[str, int]], seq_len: int, workers: int,
                done=lambda: None) -> None:
     """Pack every ``(split, k)`` task not finished yet, over ``workers`` processes (1: here).
-    ``done()`` is called once per finished shard. A worker's failure is a ``RuntimeError``."""
+    ``done()`` is called once per finished shard. A worker's failure is ``WorkerFailed``."""
     todo = [t for t in tasks if files.read_json(result_path(tmp, *t)) is None]
     (tmp / "results").mkdir(exist_ok=True)
     if workers <= 1 or len(todo) <= 1:
@@ -164,7 +168,8 @@ def run_shards(tmp: Path, tasks: list[tuple[str, int]], seq_len: int, workers: i
             for other in procs:
                 other.kill()
             last = (err or "").strip().splitlines()[-1:] or ["no message"]
-            raise RuntimeError(f"a prepare worker failed (exit {proc.returncode}): {last[0]}")
+            raise WorkerFailed(f"a prepare worker failed (exit {proc.returncode}: {last[0]}); "
+                               "finished shards are kept: run the same command to resume")
     for _ in todo:
         done()
 

@@ -47,6 +47,7 @@ from clozax.data.dataset import (
     unigram_file,
 )
 from clozax.data.pack import (
+    WorkerFailed,
     result_path,
     run_shards,
     sample_threshold,
@@ -57,12 +58,7 @@ from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, PACKER_VERSION
 from clozax.data.readers import FieldNames, Layout, Record, read_corpus
 from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES, find_files
 from clozax.data.split import HELDOUT, SPLITS, TRAIN, assign_split, group_key
-from clozax.data.tokenizer import (
-    TOKENIZER_MODELS,
-    find_specials,
-    load_tokenizer,
-    train_tokenizer,
-)
+from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer, train_tokenizer
 
 # Characters of text per spool shard, hence per data shard: large enough that the built-in
 # corpus is one shard per split, small enough that a large corpus spreads over the workers.
@@ -158,6 +154,8 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
         progress = _progress(quiet)
         with progress:
             manifest = _build(config, records, tmp, progress)
+    except WorkerFailed:
+        raise  # keep the finished shards for the next run
     except ValueError:  # bad input: nothing worth resuming
         shutil.rmtree(tmp, ignore_errors=True)
         raise
