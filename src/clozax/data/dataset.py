@@ -279,8 +279,10 @@ def open_dataset(path: str | Path, check_tokenizer: bool = True) -> Dataset:
             if len(index) == 1:
                 arrays[kind] = open_shard(0)
             else:
-                for k in range(len(index)):  # headers only: data pages are read on use
-                    open_shard(k)
+                for k in range(len(index)):  # headers only: shards are mapped on first use
+                    _open_array(path, shard_files(split, index[k]["name"])[kind],
+                                (index[k]["rows"], seq_len), expected_dtypes[kind], redo,
+                                header_only=True)
                 arrays[kind] = RowArray(open_shard, [s["rows"] for s in index], seq_len,
                                         expected_dtypes[kind])
         opened[split] = Split(**arrays)
@@ -313,17 +315,28 @@ def _check_identity(path: Path, manifest: dict, redo: str) -> None:
                              f"manifest recorded {record.get('bytes')} (was it changed?); {redo}")
 
 
-def _open_array(path: Path, rel: str, shape: tuple[int, int], dtype: np.dtype,
-                redo: str) -> np.ndarray:
+def _open_array(path: Path, rel: str, shape: tuple[int, int], dtype: np.dtype, redo: str,
+                header_only: bool = False) -> np.ndarray | None:
+    """The file memory-mapped after checking its shape and dtype (only checked, reading just
+    the ``.npy`` header, when ``header_only``)."""
     file = path / rel
     if not file.is_file():
         raise ValueError(f"dataset {path} lacks {rel}; {redo}")
     try:
-        array = np.load(file, mmap_mode="r")
+        if header_only:
+            with file.open("rb") as f:
+                version = np.lib.format.read_magic(f)
+                read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                        np.lib.format.read_array_header_2_0)
+                found_shape, _, found_dtype = read(f)
+            array = None
+        else:
+            array = np.load(file, mmap_mode="r")
+            found_shape, found_dtype = array.shape, array.dtype
     except (ValueError, OSError) as e:
         raise ValueError(f"dataset {path}: {rel} is not a readable .npy file ({e}); "
                          f"{redo}") from None
-    if array.shape != shape or array.dtype != dtype:
-        raise ValueError(f"dataset {path}: {rel} has shape {array.shape} {array.dtype}, "
+    if found_shape != shape or found_dtype != dtype:
+        raise ValueError(f"dataset {path}: {rel} has shape {found_shape} {found_dtype}, "
                          f"manifest says {shape} {dtype}; {redo}")
     return array
