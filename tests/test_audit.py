@@ -307,6 +307,20 @@ def test_a_flipped_byte_in_a_data_file_fails_only_data_identity(tiny, tmp_path):
     assert detail.startswith("train/shard-00000.word_starts.npy: sha256")
 
 
+def test_unigram_counts_that_disagree_with_the_rows_fail_only_packing_accounting(tiny,
+                                                                                 tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny.data, data)
+    counts = np.load(data / "train" / "unigram_counts.npy")
+    counts[int(counts.argmax())] += 1  # evaluate's unigram baseline would silently shift
+    np.save(data / "train" / "unigram_counts.npy", counts)
+    _reseal(data)  # as a faulty prepare would have written it: sealed, but not the rows
+    report = audit.audit_data(data)
+    assert failed(report) == {"packing_accounting"}
+    detail = next(c for c in report["checks"] if c["name"] == "packing_accounting")["detail"]
+    assert "unigram counts" in detail
+
+
 def test_data_only_cli_exits_1_on_a_failed_check(tiny, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(tiny.data, data)

@@ -115,11 +115,18 @@ def check_packing_accounting(dataset: Dataset) -> CheckResult:
         if s["rows"] * seq_len != s["tokens"] + s["pad_tokens"]:
             problems.append(f"{name}: rows x seq_len {s['rows'] * seq_len} != tokens "
                             f"{s['tokens']} + pad {s['pad_tokens']}")
-        real = sum(int(np.count_nonzero(np.asarray(split.segments[start : start + 4096])))
-                   for start in range(0, split.rows, 4096))
+        counts = np.zeros(dataset.vocab_size, np.int64)  # real tokens per id, streamed
+        for start in range(0, split.rows, 4096):
+            real_mask = np.asarray(split.segments[start : start + 4096]) > 0
+            counts += np.bincount(np.asarray(split.tokens[start : start + 4096])[real_mask]
+                                  .astype(np.int64), minlength=dataset.vocab_size)
+        real = int(counts.sum())
         if split.rows != s["rows"] or real != s["tokens"]:
             problems.append(f"{name}: arrays hold {split.rows} rows / {real} real tokens, "
                             f"manifest {s['rows']} / {s['tokens']}")
+        if not np.array_equal(counts, dataset.unigram_counts(name)):
+            problems.append(f"{name}: the stored unigram counts (evaluate's baseline) differ "
+                            "from the arrays' tokens")
         listed = sum(1 for _ in dataset.documents(name))
         if listed != s["documents"]:
             problems.append(f"{name}: {listed} documents listed, manifest {s['documents']}")
@@ -133,7 +140,7 @@ def check_packing_accounting(dataset: Dataset) -> CheckResult:
     return CheckResult("packing_accounting", True, value,
                        f"read {d['read']} = kept {d['kept']} + duplicates {d['duplicates']} + "
                        f"skipped {d['skipped']}; rows x {seq_len} = tokens + pad in both "
-                       "splits; arrays and documents.jsonl agree with the manifest")
+                       "splits; arrays, unigram counts and documents.jsonl agree with the manifest")
 
 
 def check_data_identity(dataset: Dataset) -> CheckResult:
