@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from clozax.data import open_dataset, prepare
-from clozax.data.dataset import verify_files
+from clozax.data.dataset import Split, verify_files
+from clozax.data.loader import host_batch
 from clozax.data.pack import PAUSE_AFTER_SHARD_ENV, sample_threshold, sampled_texts
-from clozax.data.shards import RowArray
+from clozax.data.shards import ARRAYS, RowArray
 
 WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
 # About 12 spool shards for the train split: small enough to be quick, several per worker.
@@ -85,6 +86,12 @@ def test_one_and_two_workers_write_byte_identical_shards_with_one_accounting(tmp
         counts = np.bincount(np.asarray(arrays.tokens)[np.asarray(arrays.segments) > 0]
                              .astype(np.int64), minlength=ds.vocab_size)
         assert np.array_equal(counts, ds.unigram_counts(split))
+
+    # The training loader reads a batch through the index as from one concatenated array.
+    whole = Split(**{kind: np.asarray(getattr(ds.train, kind)) for kind in ARRAYS})
+    rows = np.array([ds.train.rows - 1, 0, 17, 3, 17])
+    got, want = host_batch(ds.train, rows), host_batch(whole, rows)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
