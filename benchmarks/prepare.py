@@ -1,13 +1,18 @@
-"""Benchmark ``clozax prepare``: documents/s, tokens/s and peak RSS per corpus size.
+"""Benchmark ``clozax prepare``: documents/s, tokens/s and peak RSS per corpus size, input
+shapes against normal text, and ``--workers 2`` against ``--workers 1``.
 
-Each run is a separate ``clozax prepare`` subprocess; its peak RSS comes from ``os.wait4``.
-Generated corpora are JSONL files of stdlib docstrings recombined at random (with a serial
-number so none is a duplicate), written to a temporary directory and deleted afterwards.
+Each run is a separate ``clozax prepare`` subprocess; its peak RSS comes from ``os.wait4`` (the
+largest of the process and its worker children). Generated corpora are written to a temporary
+directory and deleted afterwards: JSONL files of stdlib docstrings recombined at random (with
+a serial number so none is a duplicate), and for ``--shapes`` the same text as very long
+documents, very long lines, very long unbroken runs (20 files of each), and many tiny files.
 
     .venv/bin/python benchmarks/prepare.py                 # stdlib + 200 MB
     .venv/bin/python benchmarks/prepare.py --sizes 50 100  # RSS against corpus size
     .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes 50 200 \
         --tokenizer data/stdlib/tokenizer.json              # without tokenizer training
+    .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --shapes 20   # seconds/MB ratios
+    .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --workers-ratio 50
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+SHAPE_FILES = 20  # long-document, line and run corpora: this many files, so both splits exist
 
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -40,6 +47,39 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
             written += len(line.encode("utf-8"))
             n += 1
     return n
+
+
+def generate_shape(path: Path, shape: str, megabytes: float, seed: int = 0) -> Path:
+    """``megabytes`` of docstring text in one adversarial shape; returns the corpus path."""
+    from clozax.data.readers import RawDocument, read_stdlib
+
+    pool = [r.text for r in read_stdlib() if isinstance(r, RawDocument)]
+    rng = random.Random(seed)
+    target = int(megabytes * 1e6)
+    if shape == "tiny-files":  # ~250-byte documents, one file each
+        path.mkdir()
+        written = n = 0
+        while written < target:
+            text = f"{rng.choice(pool)[:240]} {n}"
+            (path / f"{n // 1000:04d}").mkdir(exist_ok=True)
+            (path / f"{n // 1000:04d}" / f"{n:07d}.txt").write_text(text)
+            written += len(text)
+            n += 1
+        return path
+    path.mkdir()  # SHAPE_FILES files (split groups) of one long document, line or run each
+    for k in range(SHAPE_FILES):
+        with (path / f"{k:02d}.txt").open("w", encoding="utf-8") as f:
+            written = 0
+            while written < target / SHAPE_FILES:
+                if shape == "run":  # letters and digits only: one unbroken run
+                    piece = "".join(c for c in rng.choice(pool) if c.isalnum())
+                else:
+                    piece = rng.choice(pool)
+                    piece = piece.replace("\n", " ") + " " if shape == "line" else \
+                        piece + "\n\n"
+                f.write(piece)
+                written += len(piece)
+    return path
 
 
 def run_prepare(corpus: str, out: Path, extra: list[str]) -> dict:
@@ -69,6 +109,38 @@ def report(name: str, size_mb: float | None, result: dict) -> None:
           flush=True)
 
 
+def shapes(tmp: Path, megabytes: float, extra: list[str]) -> None:
+    """Seconds per MB of each input shape, and its ratio to normal text's."""
+    rates = {}
+    for shape in ("normal", "long-document", "line", "run", "tiny-files"):
+        if shape == "normal":
+            corpus = tmp / "normal.jsonl"
+            generate_corpus(corpus, megabytes)
+        else:
+            corpus = generate_shape(tmp / shape, shape, megabytes)
+        result = run_prepare(str(corpus), tmp / f"ds-{shape}",
+                             [*extra, "--heldout-fraction", "0.2"])
+        size = megabytes if shape != "normal" else corpus.stat().st_size / 1e6
+        rates[shape] = result["seconds"] / size
+        report(shape, size, result)
+        print(f"    {rates[shape]:.2f} s/MB, {rates[shape] / rates['normal']:.2f}x normal text",
+              flush=True)
+
+
+def workers_ratio(tmp: Path, megabytes: float, extra: list[str]) -> None:
+    """tokens/s with --workers 2 over --workers 1 on one generated corpus."""
+    corpus = tmp / "workers.jsonl"
+    generate_corpus(corpus, megabytes)
+    rate = {}
+    for workers in (1, 2):
+        result = run_prepare(str(corpus), tmp / f"ds-w{workers}", [*extra, "--workers",
+                                                                    str(workers)])
+        report(f"workers {workers}", corpus.stat().st_size / 1e6, result)
+        m = result["manifest"]
+        rate[workers] = sum(s["tokens"] for s in m["splits"].values()) / result["seconds"]
+    print(f"--workers 2 / --workers 1 tokens/s: {rate[2] / rate[1]:.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="*", default=[200.0],
@@ -77,7 +149,19 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="use this tokenizer.json for the generated corpora instead of "
                         "training one (isolates the pipeline's memory from the trainer's)")
+    parser.add_argument("--tokenizer-sample", type=int, default=None,
+                        help="train the tokenizer on this many documents")
+    parser.add_argument("--workers", type=int, default=None, help="prepare --workers")
+    parser.add_argument("--shapes", type=float, default=None, metavar="MB",
+                        help="compare input shapes of this size against normal text")
+    parser.add_argument("--workers-ratio", type=float, default=None, metavar="MB",
+                        help="compare --workers 2 with --workers 1 on a corpus of this size")
     args = parser.parse_args()
+    extra = []
+    if args.tokenizer is not None:
+        extra += ["--tokenizer", str(args.tokenizer.resolve())]
+    if args.tokenizer_sample is not None:
+        extra += ["--tokenizer-sample", str(args.tokenizer_sample)]
     with tempfile.TemporaryDirectory(prefix="clozax-bench-") as tmp:
         tmp = Path(tmp)
         if not args.no_stdlib:
@@ -89,12 +173,16 @@ def main() -> None:
             n = generate_corpus(corpus, size)
             print(f"generated {corpus.name}: {n:,} documents in {time.perf_counter() - t:.0f} s",
                   flush=True)
-            extra = ["--group-field", "group", "--label-field", "label"]
-            if args.tokenizer is not None:
-                extra += ["--tokenizer", str(args.tokenizer.resolve())]
-            result = run_prepare(str(corpus), tmp / f"ds-{size:g}", extra)
+            workers = [] if args.workers is None else ["--workers", str(args.workers)]
+            result = run_prepare(str(corpus), tmp / f"ds-{size:g}",
+                                 ["--group-field", "group", "--label-field", "label", *extra,
+                                  *workers])
             report("generated", corpus.stat().st_size / 1e6, result)
             corpus.unlink()
+        if args.shapes is not None:
+            shapes(tmp, args.shapes, extra)
+        if args.workers_ratio is not None:
+            workers_ratio(tmp, args.workers_ratio, extra)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import pytest
 from clozax.core import masking
 from clozax.core.masking import Kind
 from clozax.core.vocab import Vocabulary
-from clozax.data.dataset import file_records, fingerprint
+from clozax.data.dataset import data_files, file_records, fingerprint
 from clozax.judge import audit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,10 +270,12 @@ def test_boundary_accepting_an_empty_mask_fails_only_empty_selection(tiny):
 def test_planted_heldout_duplicate_fails_only_data_disjoint(tiny, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(tiny.data, data)
-    train_id = json.loads((data / "train.documents.jsonl").read_text().splitlines()[0])["id"]
-    lines = (data / "heldout.documents.jsonl").read_text().splitlines()
+    train_docs, heldout_docs = (data / f"{s}/shard-00000.documents.jsonl"
+                                for s in ("train", "heldout"))
+    train_id = json.loads(train_docs.read_text().splitlines()[0])["id"]
+    lines = heldout_docs.read_text().splitlines()
     planted = json.loads(lines[0]) | {"id": train_id}  # same text hash on both sides
-    (data / "heldout.documents.jsonl").write_text(
+    heldout_docs.write_text(
         "\n".join([json.dumps(planted), *lines[1:]]) + "\n")
     _reseal(data)  # as a faulty prepare would have written it: consistent, but not disjoint
     dataset = audit.open_dataset_for_audit(data)
@@ -287,7 +289,7 @@ def test_planted_heldout_duplicate_fails_only_data_disjoint(tiny, tmp_path):
 def _reseal(data: Path) -> None:
     """Record the data files' current bytes in the manifest's identity (a dataset as written)."""
     manifest = json.loads((data / "manifest.json").read_text())
-    manifest["identity"]["files"] = file_records(data)
+    manifest["identity"]["files"] = file_records(data, data_files(manifest["shards"]))
     manifest["fingerprint"] = fingerprint(manifest["identity"])
     (data / "manifest.json").write_text(json.dumps(manifest))
 
@@ -295,14 +297,28 @@ def _reseal(data: Path) -> None:
 def test_a_flipped_byte_in_a_data_file_fails_only_data_identity(tiny, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(tiny.data, data)
-    words = data / "train.word_starts.npy"
+    words = data / "train/shard-00000.word_starts.npy"
     flipped = bytearray(words.read_bytes())
     flipped[-1] ^= 1  # a word start turned on or off: same size, nothing else notices
     words.write_bytes(bytes(flipped))
     report = audit.audit_data(data)
     assert failed(report) == {"data_identity"}
     detail = next(c for c in report["checks"] if c["name"] == "data_identity")["detail"]
-    assert detail.startswith("train.word_starts.npy: sha256")
+    assert detail.startswith("train/shard-00000.word_starts.npy: sha256")
+
+
+def test_unigram_counts_that_disagree_with_the_rows_fail_only_packing_accounting(tiny,
+                                                                                 tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny.data, data)
+    counts = np.load(data / "train" / "unigram_counts.npy")
+    counts[int(counts.argmax())] += 1  # evaluate's unigram baseline would silently shift
+    np.save(data / "train" / "unigram_counts.npy", counts)
+    _reseal(data)  # as a faulty prepare would have written it: sealed, but not the rows
+    report = audit.audit_data(data)
+    assert failed(report) == {"packing_accounting"}
+    detail = next(c for c in report["checks"] if c["name"] == "packing_accounting")["detail"]
+    assert "unigram counts" in detail
 
 
 def test_data_only_cli_exits_1_on_a_failed_check(tiny, tmp_path):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import random
 import sys
-from pathlib import Path
 
 import pytest
 
-from clozax.data import prepare
+from clozax.data import open_dataset, prepare, readers
 from clozax.data.corpus import Accounting, clean, normalise
 from clozax.data.readers import FieldNames, RawDocument, Skip, read_corpus, read_stdlib
 from clozax.data.split import HELDOUT, TRAIN, assign_split, group_key
@@ -48,14 +47,14 @@ def _bad_corpus(root):
 @pytest.fixture
 def _deny_reading(monkeypatch):
     """Make ``locked.txt`` unreadable even when the tests run as root."""
-    real = Path.read_bytes
+    real = readers.open_bytes
 
-    def read_bytes(self):
-        if self.name == "locked.txt":
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self)
+    def open_bytes(path):
+        if path.name == "locked.txt":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(readers, "open_bytes", open_bytes)
 
 
 def test_normalise_unifies_line_endings_and_whitespace_runs():
@@ -124,8 +123,8 @@ def test_split_is_disjoint_in_groups_and_texts_with_planted_duplicates(tmp_path)
     out = tmp_path / "ds"
     manifest = prepare(out, corpus=str(corpus), group_field="g", label_field="label",
                        heldout_fraction=0.25, vocab_size=200, seq_len=32, quiet=True)
-    docs = {s: [json.loads(x) for x in (out / f"{s}.documents.jsonl").open()]
-            for s in (TRAIN, HELDOUT)}
+    dataset = open_dataset(out)
+    docs = {s: list(dataset.documents(s)) for s in (TRAIN, HELDOUT)}
     groups = {s: {d["group"] for d in docs[s]} for s in docs}
     ids = {s: {d["id"] for d in docs[s]} for s in docs}
     assert groups[TRAIN] and groups[HELDOUT]

@@ -81,7 +81,7 @@ def test_packing_round_trips_every_document_in_order(tmp_path):
     for split_name in (TRAIN, HELDOUT):
         split = getattr(ds, split_name)
         seen = np.zeros((split.rows, ds.seq_len), dtype=int)
-        records = [json.loads(x) for x in (out / f"{split_name}.documents.jsonl").open()]
+        records = list(ds.documents(split_name))
         assert sorted(r["index"] for r in records) == list(range(len(records)))
         for r in sorted(records, key=lambda r: r["index"]):
             ids = []

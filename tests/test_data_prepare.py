@@ -38,7 +38,8 @@ def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
 
 
 def _files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+    return {p.relative_to(directory).as_posix(): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.slow
@@ -52,9 +53,10 @@ def test_same_seed_gives_byte_identical_output_in_two_processes(tmp_path):
         assert run.returncode == 0, err
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert sorted(a) == sorted(b) == sorted([
-        "manifest.json", "tokenizer.json", *(f"{s}.{k}" for s in ("train", "heldout")
-                                             for k in ("tokens.npy", "segments.npy",
-                                                       "word_starts.npy", "documents.jsonl"))])
+        "manifest.json", "tokenizer.json",
+        *(f"{s}/{n}" for s in ("train", "heldout")
+          for n in ("unigram_counts.npy", *(f"shard-00000.{k}" for k in (
+              "tokens.npy", "segments.npy", "word_starts.npy", "documents.jsonl"))))])
     assert a == b
 
 
@@ -125,8 +127,8 @@ def test_open_dataset_exposes_arrays_and_rejects_tampering(tmp_path):
         open_dataset(out)
     prepare(out, corpus=str(corpus), vocab_size=120, seq_len=32, heldout_fraction=0.2,
             quiet=True, overwrite=True)
-    np.save(out / "heldout.segments.npy", np.zeros((1, 32), np.uint16))
-    with pytest.raises(ValueError, match=r"heldout.segments.npy has shape \(1, 32\)"):
+    np.save(out / "heldout/shard-00000.segments.npy", np.zeros((1, 32), np.uint16))
+    with pytest.raises(ValueError, match=r"heldout/shard-00000.segments.npy has shape \(1, 32\)"):
         open_dataset(out)
 
 
@@ -150,18 +152,20 @@ def test_dataset_identity_covers_split_seed_seq_len_and_every_file(tmp_path):
         open_dataset(out)
     manifest["identity"]["split"]["seed"] = 0
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with (out / "train.documents.jsonl").open("a") as f:
+    documents = out / "train/shard-00000.documents.jsonl"
+    with documents.open("a") as f:
         f.write("\n")
-    with pytest.raises(ValueError, match="train.documents.jsonl has .* bytes, the manifest "
-                                         "recorded"):
+    with pytest.raises(ValueError, match="train/shard-00000.documents.jsonl has .* bytes, the "
+                                         "manifest recorded"):
         open_dataset(out)
     # ... a flipped byte of the same size only by reading every byte (clozax audit --data).
-    (out / "train.documents.jsonl").write_bytes((out / "train.documents.jsonl").read_bytes()[:-1])
-    tokens = out / "train.tokens.npy"
+    documents.write_bytes(documents.read_bytes()[:-1])
+    tokens = out / "train/shard-00000.tokens.npy"
     data = bytearray(tokens.read_bytes())
     data[-1] ^= 0x01
     tokens.write_bytes(bytes(data))
-    assert [m.split(":")[0] for m in verify_files(open_dataset(out))] == ["train.tokens.npy"]
+    assert [m.split(":")[0] for m in verify_files(open_dataset(out))] == [
+        "train/shard-00000.tokens.npy"]
 
 
 def test_documents_without_a_selectable_token_are_skipped_with_their_reason(tmp_path):
@@ -203,8 +207,8 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "all binary": (["--corpus", str(tmp_path / "binary")], "a.txt: binary content"),
         "strict": (["--corpus", str(tmp_path / "bad.jsonl"), "--strict"],
                    "bad.jsonl:2: not valid JSON"),
-        "seq-len small": ([*c, "--seq-len", "4"], "--seq-len 4 is outside [8, 512]"),
-        "seq-len large": ([*c, "--seq-len", "1024"], "--seq-len 1024 is outside"),
+        "seq-len small": ([*c, "--seq-len", "4"], "--seq-len 4 is outside [8, 8192]"),
+        "seq-len large": ([*c, "--seq-len", "9000"], "--seq-len 9000 is outside"),
         "vocab too small": ([*c, "--vocab-size", "12"], "--vocab-size 12 is too small"),
         "heldout empty": ([*c, "--heldout-fraction", "0.0001"], "heldout split would be empty"),
         "output exists": ([*c], "already exists; pass --overwrite"),
@@ -266,3 +270,16 @@ def test_overwrite_refuses_a_directory_that_is_not_a_dataset(tmp_path):
 def test_unknown_prepare_option_lists_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="unknown prepare option.*seq_lenn.*valid: corpus"):
         prepare(tmp_path / "ds", seq_lenn=64)
+
+
+def test_rows_longer_than_512_are_packed_for_models_configured_for_them(tmp_path):
+    corpus = tmp_path / "long.jsonl"
+    rng = random.Random(3)
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(
+        900))}) + "\n" for _ in range(12)))
+    manifest = prepare(tmp_path / "ds", corpus=str(corpus), vocab_size=120, seq_len=1024,
+                       heldout_fraction=0.3, quiet=True)
+    ds = open_dataset(tmp_path / "ds")
+    assert ds.train.tokens.shape == (manifest["splits"]["train"]["rows"], 1024)
+    assert max(int(np.count_nonzero(ds.train.segments[r] == 1)) for r in range(ds.train.rows)) \
+        > 512  # one document's piece longer than the old cap

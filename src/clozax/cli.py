@@ -50,8 +50,8 @@ def prepare(
     out: Annotated[Path, typer.Option(help="Dataset directory to create.")],
     corpus: Annotated[
         str,
-        typer.Option(help="'stdlib' (docstrings of this Python's standard library) or a path: "
-                     "a directory of .txt/.md/.jsonl/.parquet files, or one such file."),
+        typer.Option(help="'stdlib', a directory, a quoted glob or one file: .txt/.md/.jsonl "
+                     "(also .gz/.zst), .parquet, .arrow (datasets' save_to_disk)."),
     ] = "stdlib",
     text_field: Annotated[str, typer.Option(help="JSONL/parquet field with the text.")] = "text",
     group_field: Annotated[
@@ -62,25 +62,28 @@ def prepare(
     label_field: Annotated[
         str | None, typer.Option(help="JSONL/parquet field with a label for probes.")
     ] = None,
+    text_unit: Annotated[str, typer.Option(
+        help="A .txt/.md document: 'file', 'paragraph' or 'line'.")] = "file",
+    group_by: Annotated[str, typer.Option(
+        help="Split group without --group-field: 'document' or 'file'.")] = "document",
     heldout_fraction: Annotated[
         float, typer.Option(help="Share of groups held out (by keyed hash of the group).")
     ] = 0.05,
     seed: Annotated[int, typer.Option(help="Key of the split hash.")] = 0,
-    tokenizer_model: Annotated[
-        str,
-        typer.Option(help="'bpe' (deterministic) or 'wordpiece'. WARNING: the wordpiece "
-                     "trainer of HF tokenizers gives a different vocabulary in every run on "
-                     "the same data (huggingface/tokenizers #1794), so its output is not "
-                     "reproducible."),
-    ] = "bpe",
+    tokenizer_model: Annotated[str, typer.Option(
+        help="'bpe' (deterministic) or 'wordpiece' (NOT reproducible: HF tokenizers' wordpiece "
+        "trainer differs run to run, huggingface/tokenizers #1794).")] = "bpe",
     tokenizer: Annotated[
         Path | None,
         typer.Option(help="Use this tokenizer.json unchanged instead of training one; it "
                      "must contain [PAD] [UNK] [CLS] [SEP] [MASK]."),
     ] = None,
     vocab_size: Annotated[int, typer.Option(help="Vocabulary size of a trained tokenizer.")] = 8192,
+    tokenizer_sample: Annotated[int | None, typer.Option(
+        help="Train the tokenizer on this many train documents (a keyed sample).")] = None,
     lowercase: Annotated[bool, typer.Option(help="Lowercase text in the tokenizer.")] = True,
-    seq_len: Annotated[int, typer.Option(help="Tokens per packed row (8..512).")] = 128,
+    seq_len: Annotated[int, typer.Option(
+        help="Tokens per packed row, 8..8192 (train needs model.max_positions >= it).")] = 128,
     strict: Annotated[
         bool, typer.Option(help="Stop at the first unreadable, binary or malformed input "
                            "instead of skipping it.")
@@ -88,17 +91,15 @@ def prepare(
     overwrite: Annotated[
         bool, typer.Option(help="Replace an existing output directory (atomically).")
     ] = False,
+    workers: Annotated[int | None, typer.Option(
+        help="Processes packing shards (default: every core); output is the same.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
 ):
     """Read a corpus, split it by document group, train a frozen tokenizer, pack rows."""
+    options = dict(locals())  # every option above is a PrepareConfig field, or quiet
     from clozax.data import prepare as prepare_dataset
 
-    prepare_dataset(
-        out, corpus=corpus, text_field=text_field, group_field=group_field,
-        label_field=label_field, heldout_fraction=heldout_fraction, seed=seed,
-        tokenizer_model=tokenizer_model, tokenizer=tokenizer, vocab_size=vocab_size,
-        lowercase=lowercase, seq_len=seq_len, strict=strict, overwrite=overwrite, quiet=quiet,
-    )
+    prepare_dataset(options.pop("out"), **options)
 
 
 @app.command()

@@ -5,7 +5,10 @@ reader never sees half a file (used for every file a later step reads). ``staged
 a hidden temporary sibling directory (``.NAME.partial-PID``) and renames it into place when
 done; on any failure (an exception, Ctrl-C) the temporary directory is removed, and an
 existing ``out`` is kept until the new one is complete. A SIGKILL leaves only the hidden
-partial, which ``remove_stale_partials`` clears once its process is gone.
+partial, which ``remove_stale_partials`` clears once its process is gone. A resumable writer
+(``clozax prepare``) names its partial ``.NAME.partial-rKEY`` instead, owns it through a
+``lock`` file (``claim_dir``) and publishes it with ``publish_dir``; a killed run's partial is
+kept for the next run with the same key.
 """
 
 from __future__ import annotations
@@ -28,24 +31,33 @@ def staged_dir(out: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _publish(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def remove_stale_partials(out: Path) -> None:
-    """Delete temporary directories left by killed writers (their process no longer exists)."""
+def remove_stale_partials(out: Path, keep: Path | None = None) -> None:
+    """Delete temporary directories left by killed writers (their process no longer exists):
+    ``.NAME.partial-PID``, or a resumable ``.NAME.partial-rKEY`` whose ``lock`` names the
+    writer's pid. ``keep`` (the partial a caller is about to resume) is left alone."""
     for stale in out.parent.glob(f".{out.name}.partial-*"):
+        if keep is not None and stale == keep:
+            continue
+        suffix = stale.name.rsplit("-", 1)[1]
+        lock = read_json(stale / "lock") if suffix.startswith("r") else None
+        if suffix.startswith("r") and lock is None:  # finished and killed before its rename
+            shutil.rmtree(stale, ignore_errors=True)
+            continue
         try:
-            os.kill(int(stale.name.rsplit("-", 1)[1]), 0)
+            os.kill(int(lock["pid"] if isinstance(lock, dict) else suffix), 0)
         except ProcessLookupError:
             shutil.rmtree(stale, ignore_errors=True)
-        except (ValueError, PermissionError):
+        except (ValueError, KeyError, TypeError, PermissionError):
             pass  # not ours to judge: a foreign name, or another user's live process
 
 
-def _publish(tmp: Path, out: Path) -> None:
+def publish_dir(tmp: Path, out: Path) -> None:
     """Rename into place; an old directory is kept until the new one is complete."""
     old = None
     if out.exists():
@@ -54,6 +66,22 @@ def _publish(tmp: Path, out: Path) -> None:
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old)
+
+
+def claim_dir(directory: Path, who: str) -> None:
+    """Own ``directory`` (new, or left by a killed writer, whose work may be resumed) through
+    its ``lock`` file; ``ValueError`` naming ``who`` when a live process holds it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = read_json(directory / "lock")
+    if lock is not None and lock.get("pid") != os.getpid():
+        try:
+            os.kill(int(lock["pid"]), 0)
+        except ProcessLookupError:
+            pass  # its writer was killed
+        else:
+            raise ValueError(f"{who} (pid {lock['pid']}) is writing {directory}; wait for it "
+                             "to finish")
+    write_json(directory / "lock", {"pid": os.getpid()})
 
 
 def read_json(path: Path):

@@ -1,27 +1,30 @@
-"""The on-disk dataset format: writing it row by row, and opening it memory-mapped.
+"""The on-disk dataset format: writing it shard by shard, and opening it memory-mapped.
 
-Layout of a dataset directory (``FORMAT_VERSION`` 2)::
+Layout of a dataset directory (``FORMAT_VERSION`` 3)::
 
-    manifest.json               accounting, split sizes, tokenizer, seq_len, identity and
-                                fingerprint
+    manifest.json               accounting, split sizes, tokenizer, seq_len, the shard index,
+                                identity and fingerprint
     tokenizer.json              the frozen tokenizer (sha256 in the manifest)
-    {split}.tokens.npy          (rows, seq_len) uint16, or uint32 when vocab > 65536
-    {split}.segments.npy        (rows, seq_len) uint16: 1..n per document piece, 0 = padding
-    {split}.word_starts.npy     (rows, seq_len) bool: first token of a word (specials too)
-    {split}.documents.jsonl     one line per document: index (corpus order within the split),
-                                id, group, label, source, tokens (body tokens without
-                                specials) and chunks: [[row, segment], ...] in chunk order
+    {split}/shard-{k}.tokens.npy       (rows_k, seq_len) uint16, or uint32 when vocab > 65536
+    {split}/shard-{k}.segments.npy     (rows_k, seq_len) uint16: 1..n per piece, 0 = padding
+    {split}/shard-{k}.word_starts.npy  (rows_k, seq_len) bool: first token of a word
+    {split}/shard-{k}.documents.jsonl  one line per document: index (within the shard, in
+                                corpus order), id, group, label, source, tokens (body tokens
+                                without specials) and chunks: [[row, segment], ...] (shard rows)
+    {split}/unigram_counts.npy  (vocab,) int64: how often each id occurs as a real token
 
-``documents.jsonl`` lines are written when a document's last chunk is placed, so they are not
-in corpus order; sort by ``index`` to restore it.
+``manifest["shards"][split]`` is the index: each shard's name, rows and documents, in order;
+a split's global row and document numbers run through the shards in that order
+(``data/shards.py``). A shard's ``documents.jsonl`` lines are written when a document's last
+chunk is placed, so they are not in corpus order; sort by ``index`` to restore it.
 
 Identity: ``manifest["identity"]`` holds everything that determines the rows — each split's
 document ids (a hash, in order), the split seed, held-out fraction and group field, ``seq_len``,
-the packer version, the tokenizer's sha256 — and the size and sha256 of every data file;
-``manifest["fingerprint"]`` is the sha256 of that identity. ``open_dataset`` checks cheaply
-(the fingerprint against the identity, every file's size); ``verify_files`` reads every byte
-(``clozax audit --data``). Runs and eval-mask sets record the fingerprint, so a re-prepared
-dataset (another seed, ``seq_len``, tokenizer, ...) is never taken for the original.
+the packer version and shard size, the tokenizer's sha256 — and the size and sha256 of every
+data file (every shard); ``manifest["fingerprint"]`` is the sha256 of that identity.
+``open_dataset`` checks cheaply (the fingerprint against the identity, every file's size);
+``verify_files`` reads every byte (``clozax audit --data``). Runs and eval-mask sets record the
+fingerprint, so a re-prepared dataset is never taken for the original.
 """
 
 from __future__ import annotations
@@ -38,14 +41,26 @@ import numpy as np
 from clozax.core.files import file_sha256
 from clozax.core.vocab import SPECIAL_NAMES
 from clozax.data.packing import PackedRow
+from clozax.data.shards import ARRAYS, RowArray, iter_documents, shard_files
 from clozax.data.split import SPLITS
 
-FORMAT_VERSION = 2
-ARRAYS = ("tokens", "segments", "word_starts")
-DATA_FILES = tuple(f"{split}.{name}.npy" for split in SPLITS for name in ARRAYS) + tuple(
-    f"{split}.documents.jsonl" for split in SPLITS)
+FORMAT_VERSION = 3
 _NPY_HEADER_BYTES = 128  # fixed, so the row count can be rewritten in place at the end
 _ROWS_PER_WRITE = 1024
+
+
+def unigram_file(split: str) -> str:
+    return f"{split}/unigram_counts.npy"
+
+
+def data_files(index: dict[str, list[dict]]) -> list[str]:
+    """Relative paths of every data file the shard index implies, in a fixed order."""
+    names = []
+    for split in SPLITS:
+        for shard in index[split]:
+            names += shard_files(split, shard["name"]).values()
+        names.append(unigram_file(split))
+    return names
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -62,24 +77,29 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, int]) -> bytes:
 
 
 class SplitWriter:
-    """Appends packed rows of one split to its ``.npy`` files and documents to its JSONL.
+    """Appends packed rows of one shard to its ``.npy`` files and documents to its JSONL, and
+    counts each id's real tokens (``counts``, (vocab,) int64).
 
     Rows are buffered a few at a time and the ``.npy`` headers rewritten with the final row
     count on ``close``, so memory does not grow with the corpus.
     """
 
-    def __init__(self, directory: Path, split: str, seq_len: int, dtype: np.dtype):
+    def __init__(self, directory: Path, split: str, name: str, seq_len: int,
+                 vocab_size: int, dtype: np.dtype):
         self.seq_len = seq_len
         self.dtypes = {"tokens": dtype, "segments": np.dtype(np.uint16),
                        "word_starts": np.dtype(bool)}
+        paths = {kind: directory / rel for kind, rel in shard_files(split, name).items()}
+        paths["documents"].parent.mkdir(parents=True, exist_ok=True)
         self.files: dict[str, IO[bytes]] = {}
-        for name in ARRAYS:
-            f = (directory / f"{split}.{name}.npy").open("wb")
-            f.write(_npy_header(self.dtypes[name], (0, seq_len)))
-            self.files[name] = f
-        self.documents = (directory / f"{split}.documents.jsonl").open("w", encoding="utf-8")
-        self.buffer: dict[str, list[np.ndarray]] = {name: [] for name in ARRAYS}
+        for kind in ARRAYS:
+            f = paths[kind].open("wb")
+            f.write(_npy_header(self.dtypes[kind], (0, seq_len)))
+            self.files[kind] = f
+        self.documents = paths["documents"].open("w", encoding="utf-8")
+        self.buffer: dict[str, list[np.ndarray]] = {kind: [] for kind in ARRAYS}
         self.pending: dict[int, tuple[dict, int]] = {}  # doc -> (record, chunks left)
+        self.counts = np.zeros(vocab_size, np.int64)
         self.rows = 0
         self.tokens = 0  # non-pad tokens
 
@@ -106,6 +126,10 @@ class SplitWriter:
             self._drain()
 
     def _drain(self) -> None:
+        if self.buffer["tokens"]:
+            tokens, segments = np.stack(self.buffer["tokens"]), np.stack(self.buffer["segments"])
+            self.counts += np.bincount(tokens[segments > 0].astype(np.int64),
+                                       minlength=self.counts.size)
         for name in ARRAYS:
             if self.buffer[name]:
                 self.files[name].write(np.stack(self.buffer[name]).tobytes())
@@ -124,11 +148,12 @@ class SplitWriter:
 
 @dataclass(frozen=True)
 class Split:
-    """One split's arrays, memory-mapped read-only."""
+    """One split's arrays, read-only: memmaps for a one-shard split, else ``RowArray``s that
+    read through the shard index (both index like NumPy arrays)."""
 
-    tokens: np.ndarray  # (rows, seq_len) uint16 or uint32
-    segments: np.ndarray  # (rows, seq_len) uint16, 0 = padding
-    word_starts: np.ndarray  # (rows, seq_len) bool
+    tokens: np.ndarray | RowArray  # (rows, seq_len) uint16 or uint32
+    segments: np.ndarray | RowArray  # (rows, seq_len) uint16, 0 = padding
+    word_starts: np.ndarray | RowArray  # (rows, seq_len) bool
 
     @property
     def rows(self) -> int:
@@ -169,6 +194,14 @@ class Dataset:
         """sha256 of everything that determines the rows (see the module docstring)."""
         return str(self.manifest["fingerprint"])
 
+    def documents(self, split: str):
+        """The split's document records, streamed (global rows and indices)."""
+        return iter_documents(self.path, split, self.manifest["shards"][split])
+
+    def unigram_counts(self, split: str) -> np.ndarray:
+        """(vocab,) int64 count of each id among the split's real (non-pad) tokens."""
+        return np.load(self.path / unigram_file(split))
+
 
 def fingerprint(identity: dict) -> str:
     """The sha256 of an identity dict in canonical JSON."""
@@ -176,22 +209,25 @@ def fingerprint(identity: dict) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def file_records(directory: Path) -> dict[str, dict]:
-    """Size and sha256 of each data file of a dataset directory (``DATA_FILES``)."""
+def file_records(directory: Path, names: list[str]) -> dict[str, dict]:
+    """Size and sha256 of each named data file of a dataset directory."""
     return {name: {"bytes": (directory / name).stat().st_size,
-                   "sha256": file_sha256(directory / name)} for name in DATA_FILES}
+                   "sha256": file_sha256(directory / name)} for name in names}
 
 
 def verify_files(dataset: Dataset) -> list[str]:
     """Every data file's sha256 against the identity (reads every byte); the mismatches."""
     recorded = dataset.manifest["identity"]["files"]
-    found = file_records(dataset.path)
+    names = data_files(dataset.manifest["shards"])
+    found = file_records(dataset.path, names)
     return [f"{name}: sha256 {found[name]['sha256'][:12]}, manifest {recorded[name]['sha256'][:12]}"
-            for name in DATA_FILES if found[name]["sha256"] != recorded[name]["sha256"]]
+            for name in names if found[name]["sha256"] != recorded[name]["sha256"]]
 
 
-def open_dataset(path: str | Path) -> Dataset:
-    """Open and validate a dataset directory written by ``clozax prepare``."""
+def open_dataset(path: str | Path, check_tokenizer: bool = True) -> Dataset:
+    """Open and validate a dataset directory written by ``clozax prepare``. Without
+    ``check_tokenizer``, a tokenizer file not matching the manifest is left to the caller
+    (the audit reports it as a failed check)."""
     path = Path(path)
     redo = f"run `clozax prepare --out {path} --overwrite` to rebuild it"
     if not path.is_dir():
@@ -208,6 +244,9 @@ def open_dataset(path: str | Path) -> Dataset:
         specials = {name: int(tokenizer["specials"][name]) for name in SPECIAL_NAMES}
         vocab_size = int(tokenizer["vocab_size"])
         splits = {name: int(manifest["splits"][name]["rows"]) for name in SPLITS}
+        if manifest.get("format_version") == FORMAT_VERSION:
+            for split in SPLITS:
+                [(str(s["name"]), int(s["rows"])) for s in manifest["shards"][split]]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"dataset {path} has an unreadable manifest.json ({type(e).__name__}: "
                          f"{e}); {redo}") from None
@@ -220,28 +259,32 @@ def open_dataset(path: str | Path) -> Dataset:
     tokenizer_path = path / tokenizer["file"]
     if not tokenizer_path.is_file():
         raise ValueError(f"dataset {path} lacks {tokenizer['file']}; {redo}")
-    if file_sha256(tokenizer_path) != tokenizer["sha256"]:
+    if check_tokenizer and file_sha256(tokenizer_path) != tokenizer["sha256"]:
         raise ValueError(f"dataset {path}: {tokenizer['file']} does not match the sha256 in "
                          f"manifest.json (was it edited?); {redo}")
     expected_dtypes = {"tokens": token_dtype(vocab_size), "segments": np.dtype(np.uint16),
                        "word_starts": np.dtype(bool)}
     opened = {}
     for split, rows in splits.items():
+        index = manifest["shards"][split]
+        if sum(s["rows"] for s in index) != rows:
+            raise ValueError(f"dataset {path}: the {split} shard index sums to "
+                             f"{sum(s['rows'] for s in index)} rows, the manifest says {rows}; "
+                             f"{redo}")
         arrays = {}
-        for name in ARRAYS:
-            file = path / f"{split}.{name}.npy"
-            if not file.is_file():
-                raise ValueError(f"dataset {path} lacks {file.name}; {redo}")
-            try:
-                array = np.load(file, mmap_mode="r")
-            except (ValueError, OSError) as e:
-                raise ValueError(f"dataset {path}: {file.name} is not a readable .npy file "
-                                 f"({e}); {redo}") from None
-            if array.shape != (rows, seq_len) or array.dtype != expected_dtypes[name]:
-                raise ValueError(f"dataset {path}: {file.name} has shape {array.shape} "
-                                 f"{array.dtype}, manifest says ({rows}, {seq_len}) "
-                                 f"{expected_dtypes[name]}; {redo}")
-            arrays[name] = array
+        for kind in ARRAYS:
+            def open_shard(k, kind=kind, split=split, index=index):
+                return _open_array(path, shard_files(split, index[k]["name"])[kind],
+                                   (index[k]["rows"], seq_len), expected_dtypes[kind], redo)
+            if len(index) == 1:
+                arrays[kind] = open_shard(0)
+            else:
+                for k in range(len(index)):  # headers only: shards are mapped on first use
+                    _open_array(path, shard_files(split, index[k]["name"])[kind],
+                                (index[k]["rows"], seq_len), expected_dtypes[kind], redo,
+                                header_only=True)
+                arrays[kind] = RowArray(open_shard, [s["rows"] for s in index], seq_len,
+                                        expected_dtypes[kind])
         opened[split] = Split(**arrays)
     _check_identity(path, manifest, redo)
     return Dataset(path=path, manifest=manifest, train=opened["train"],
@@ -259,10 +302,41 @@ def _check_identity(path: Path, manifest: dict, redo: str) -> None:
             or identity.get("tokenizer_sha256") != manifest["tokenizer"]["sha256"]):
         raise ValueError(f"dataset {path}: manifest.json's identity disagrees with its seq_len or "
                          f"tokenizer (was it edited?); {redo}")
-    for name in DATA_FILES:
+    names = data_files(manifest["shards"])
+    if sorted(names) != sorted(identity.get("files", {})):
+        raise ValueError(f"dataset {path}: the shard index and the identity's file list "
+                         f"disagree (was manifest.json edited?); {redo}")
+    for name in names:
         file, record = path / name, identity["files"].get(name, {})
         if not file.is_file():
             raise ValueError(f"dataset {path} lacks {name}; {redo}")
         if file.stat().st_size != record.get("bytes"):
             raise ValueError(f"dataset {path}: {name} has {file.stat().st_size} bytes, the "
                              f"manifest recorded {record.get('bytes')} (was it changed?); {redo}")
+
+
+def _open_array(path: Path, rel: str, shape: tuple[int, int], dtype: np.dtype, redo: str,
+                header_only: bool = False) -> np.ndarray | None:
+    """The file memory-mapped after checking its shape and dtype (only checked, reading just
+    the ``.npy`` header, when ``header_only``)."""
+    file = path / rel
+    if not file.is_file():
+        raise ValueError(f"dataset {path} lacks {rel}; {redo}")
+    try:
+        if header_only:
+            with file.open("rb") as f:
+                version = np.lib.format.read_magic(f)
+                read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                        np.lib.format.read_array_header_2_0)
+                found_shape, _, found_dtype = read(f)
+            array = None
+        else:
+            array = np.load(file, mmap_mode="r")
+            found_shape, found_dtype = array.shape, array.dtype
+    except (ValueError, OSError) as e:
+        raise ValueError(f"dataset {path}: {rel} is not a readable .npy file ({e}); "
+                         f"{redo}") from None
+    if found_shape != shape or found_dtype != dtype:
+        raise ValueError(f"dataset {path}: {rel} has shape {found_shape} {found_dtype}, "
+                         f"manifest says {shape} {dtype}; {redo}")
+    return array

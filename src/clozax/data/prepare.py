@@ -1,12 +1,20 @@
-"""``clozax prepare``: documents → document-level split → frozen tokenizer → packed rows.
+"""``clozax prepare``: documents → document-level split → frozen tokenizer → packed shards.
 
-Order of work (everything lands in a hidden sibling directory, renamed into place only when
-complete, so a crash leaves no partial output):
+Order of work, in a hidden sibling directory ``.{out}.partial-{key}`` renamed into place only
+when complete (no half dataset is ever visible as complete):
 
-1. read, clean, dedup and split the corpus, streaming kept documents to per-split spool files;
-2. train the tokenizer on the train spool only (or copy ``--tokenizer`` unchanged);
-3. encode each split in batches, chunk, best-fit pack, write rows and document records;
-4. write ``manifest.json``, delete the spools, rename into place.
+1. read, clean, dedup and split the corpus, streaming kept documents to per-split spool shards
+   of about ``shard_chars`` characters each (``spool/done.json`` marks the phase finished);
+2. train the tokenizer on the train spool only, or a keyed sample of it (or copy
+   ``--tokenizer`` unchanged); ``tokenizer.json`` appears by rename when finished;
+3. encode, chunk and best-fit pack each spool shard into its data shard, over ``--workers``
+   processes (``data/pack.py``; a shard's result file marks it finished);
+4. write ``manifest.json`` with the shard index, delete the spools, rename into place.
+
+Resuming: ``key`` hashes everything that decides the output (the config without speed-only
+settings, the corpus files' names, sizes and modification times, the clozax version), so a
+prepare killed at any point and run again with the same settings finds its directory and
+continues after the last finished phase or shard, with the same final bytes.
 """
 
 from __future__ import annotations
@@ -25,37 +33,37 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from tokenizers import Tokenizer
 
 import clozax
 from clozax.core import files
-from clozax.core.files import file_sha256, remove_stale_partials, staged_dir
+from clozax.core.files import claim_dir, file_sha256, publish_dir, remove_stale_partials
 from clozax.core.vocab import SPECIAL_NAMES
-from clozax.data.corpus import Accounting, clean
+from clozax.data.corpus import MAX_RUN_CHARS, Accounting, DiskSet, clean
 from clozax.data.dataset import (
     FORMAT_VERSION,
-    SplitWriter,
+    data_files,
     file_records,
     fingerprint,
-    token_dtype,
+    unigram_file,
 )
-from clozax.data.packing import (
-    MAX_SEQ_LEN,
-    MIN_SEQ_LEN,
-    PACKER_VERSION,
-    BestFitPacker,
-    chunk_document,
+from clozax.data.pack import (
+    WorkerFailed,
+    result_path,
+    run_shards,
+    sample_threshold,
+    sampled_texts,
+    spool_path,
 )
-from clozax.data.readers import FieldNames, Record, read_corpus
+from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, PACKER_VERSION
+from clozax.data.readers import FieldNames, Layout, Record, read_corpus
+from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES, find_files
 from clozax.data.split import HELDOUT, SPLITS, TRAIN, assign_split, group_key
-from clozax.data.tokenizer import (
-    TOKENIZER_MODELS,
-    find_specials,
-    load_tokenizer,
-    train_tokenizer,
-)
+from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer, train_tokenizer
 
-ENCODE_BATCH = 1024  # documents per encode_batch call; speed only
+# Characters of text per spool shard, hence per data shard: large enough that the built-in
+# corpus is one shard per split, small enough that a large corpus spreads over the workers.
+SHARD_CHARS = 1 << 22
+SPEED_ONLY = ("workers", "overwrite")  # not in the resume key: they change no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
 
@@ -69,21 +77,26 @@ class PrepareConfig:
     text_field: str = "text"
     group_field: str | None = None
     label_field: str | None = None
+    text_unit: str = "file"
+    group_by: str = "document"
     heldout_fraction: float = 0.05
     seed: int = 0
     tokenizer_model: str = "bpe"
     tokenizer: Path | None = None
     vocab_size: int = 8192
+    tokenizer_sample: int | None = None
     lowercase: bool = True
     seq_len: int = 128
     strict: bool = False
     overwrite: bool = False
+    shard_chars: int = SHARD_CHARS
+    workers: int | None = None  # None: every core
 
     def __post_init__(self):
         if not MIN_SEQ_LEN <= self.seq_len <= MAX_SEQ_LEN:
             raise ValueError(f"--seq-len {self.seq_len} is outside [{MIN_SEQ_LEN}, "
-                             f"{MAX_SEQ_LEN}] (the model's maximum positions); pick a value "
-                             "in that range")
+                             f"{MAX_SEQ_LEN}]; pick a value in that range (and train with "
+                             "model.max_positions at least as large)")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"--heldout-fraction {self.heldout_fraction} must be strictly "
                              "between 0 and 1; 0.05 is the default")
@@ -98,6 +111,16 @@ class PrepareConfig:
             raise ValueError(f"--seed {self.seed} does not fit 64 bits; pick a smaller seed")
         if not self.text_field:
             raise ValueError("--text-field is empty; name the field holding the text")
+        Layout(self.text_unit, self.group_by)  # validates both
+        if self.shard_chars < 1:
+            raise ValueError(f"--shard-chars {self.shard_chars} must be positive; "
+                             f"{SHARD_CHARS} is the default")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"--workers {self.workers} must be at least 1; omit it to use "
+                             "every core")
+        if self.tokenizer_sample is not None and self.tokenizer_sample < 1:
+            raise ValueError(f"--tokenizer-sample {self.tokenizer_sample} must be at least 1 "
+                             "(documents to train the tokenizer on); omit it to use them all")
 
 
 def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = None,
@@ -121,18 +144,39 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
     if config.tokenizer is not None:
         load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
     names = FieldNames(config.text_field, config.group_field, config.label_field)
-    records = read_corpus(config.corpus, names, config.strict)  # checks the path now
-    remove_stale_partials(out)
+    records = read_corpus(config.corpus, names, config.strict,  # checks the path now
+                          Layout(config.text_unit, config.group_by))
     started = time.perf_counter()
-    with staged_dir(out) as tmp:
+    tmp = out.parent / f".{out.name}.partial-r{_resume_key(config)}"
+    remove_stale_partials(out, keep=tmp)  # a killed run with other settings is not resumed
+    claim_dir(tmp, "another prepare with the same settings")
+    try:
         progress = _progress(quiet)
         with progress:
             manifest = _build(config, records, tmp, progress)
-        if os.environ.get(_PAUSE_ENV):
-            time.sleep(float(os.environ[_PAUSE_ENV]))
+    except WorkerFailed:
+        raise  # keep the finished shards for the next run
+    except ValueError:  # bad input: nothing worth resuming
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / "lock").unlink()
+    if os.environ.get(_PAUSE_ENV):
+        time.sleep(float(os.environ[_PAUSE_ENV]))
+    publish_dir(tmp, out)
     if not quiet:
         print_summary(manifest, console or Console(), time.perf_counter() - started)
     return manifest
+
+
+def _resume_key(config: PrepareConfig) -> str:
+    """A hash of everything that decides the output bytes (see the module docstring)."""
+    settings = {k: str(v) for k, v in asdict(config).items() if k not in SPEED_ONLY}
+    corpus = [platform.python_version()] if config.corpus == "stdlib" else [
+        (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in find_files(config.corpus)[0]]
+    if config.tokenizer is not None:
+        corpus.append(file_sha256(config.tokenizer))
+    text = json.dumps([settings, corpus, clozax.__version__, FORMAT_VERSION], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _progress(quiet: bool) -> Progress:
@@ -145,54 +189,68 @@ def _progress(quiet: bool) -> Progress:
 
 def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
            progress: Progress) -> dict:
-    # 1. read, clean, split, spool
-    accounting = Accounting()
-    spools = {split: (tmp / f"{split}.spool.jsonl").open("w", encoding="utf-8")
-              for split in SPLITS}
-    # Groups are counted by their 64-bit keys, not names, to keep memory small.
-    groups: dict[str, set[int]] = {split: set() for split in SPLITS}
-    docs = dict.fromkeys(SPLITS, 0)
-    reading = progress.add_task("reading", total=None, detail="")
-    for doc in clean(records, accounting):
-        key = group_key(doc.group, config.seed)
-        split = assign_split(key, config.heldout_fraction)
-        groups[split].add(key)
-        docs[split] += 1
-        spools[split].write(json.dumps(asdict(doc), ensure_ascii=False) + "\n")
-        progress.advance(reading)
-    for f in spools.values():
-        f.close()
-    progress.update(reading, total=accounting.read, completed=accounting.read)
-    accounting.check()
-    _check_corpus(config, accounting, groups)
+    # 1. read, clean, split, spool (skipped when a resumed run finished it)
+    phase1 = files.read_json(tmp / "spool" / "done.json")
+    if phase1 is None:
+        phase1 = _read_split_spool(config, records, tmp, progress)
+    accounting = Accounting(**phase1["accounting"])
+    docs, groups, n_shards = phase1["docs"], phase1["groups"], phase1["shards"]
 
-    # 2. tokenizer, frozen
+    # 2. tokenizer, frozen (written under a temporary name, so its presence means finished)
     tokenizer_path = tmp / "tokenizer.json"
-    if config.tokenizer is not None:
-        tok = load_tokenizer(config.tokenizer)
-        shutil.copyfile(config.tokenizer, tokenizer_path)  # unchanged, byte for byte
-    else:
-        training = progress.add_task("training tokenizer", total=docs[TRAIN], detail="")
-        texts = _texts(tmp / f"{TRAIN}.spool.jsonl", progress, training)
-        tok = train_tokenizer(texts, model=config.tokenizer_model, vocab_size=config.vocab_size,
-                              lowercase=config.lowercase, length=docs[TRAIN])
-        tok.save(str(tokenizer_path))
+    if not tokenizer_path.is_file():
+        partial = tmp / "tokenizer.json.partial"
+        if config.tokenizer is not None:
+            shutil.copyfile(config.tokenizer, partial)  # unchanged, byte for byte
+        else:
+            spools = [spool_path(tmp, TRAIN, k) for k in range(n_shards[TRAIN])]
+            threshold = sample_threshold(spools, config.tokenizer_sample, config.seed)
+            n_train = docs[TRAIN] if threshold is None else config.tokenizer_sample
+            training = progress.add_task("training tokenizer", total=n_train, detail="")
+            texts = _texts(spools, progress, training, threshold, config.seed)
+            tok = train_tokenizer(texts, model=config.tokenizer_model,
+                                  vocab_size=config.vocab_size, lowercase=config.lowercase,
+                                  length=n_train)
+            tok.save(str(partial))
+        partial.rename(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
     specials = find_specials(tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
-    # 3. encode, chunk, pack, write
-    split_stats, ids_sha256 = {}, {}
+    # 3. encode, chunk, pack, write: one data shard per spool shard, over the workers
+    tasks = [(split, k) for split in SPLITS for k in range(n_shards[split])]
+    packing = progress.add_task("packing shards", total=len(tasks), detail="")
+    run_shards(tmp, tasks, config.seq_len, config.workers or os.cpu_count() or 1,
+               done=lambda: progress.advance(packing))
+    split_stats, ids_sha256, index = {}, {}, {}
+    keys = ("documents", "rows", "tokens", "chunks", "chunked_documents")
     for split in SPLITS:
-        stats = _pack_split(config, tmp, split, tok, specials, token_dtype(vocab_size),
-                            progress, docs[split], accounting)
-        ids_sha256[split] = stats.pop("document_ids_sha256")
-        split_stats[split] = {"groups": len(groups[split]), **stats}
-        (tmp / f"{split}.spool.jsonl").unlink()
+        ids_hash, counts = hashlib.sha256(), np.zeros(vocab_size, np.int64)
+        total, index[split], skipped = dict.fromkeys(keys, 0), [], 0
+        for k in range(n_shards[split]):  # in shard order, one result held at a time
+            result = files.read_json(result_path(tmp, split, k))
+            for source, reason in result["skips"]:
+                accounting.unkeep(source, reason)
+            ids_hash.update(b"".join(bytes.fromhex(i) for i in result["ids"]))
+            counts += np.asarray(result["counts"], np.int64)
+            index[split].append({key: result[key] for key in ("name", "rows", "documents",
+                                                              "tokens")})
+            total = {key: total[key] + result[key] for key in keys}
+            skipped += len(result["skips"])
+        np.save(tmp / unigram_file(split), counts)
+        ids_sha256[split] = ids_hash.hexdigest()
+        split_stats[split] = {
+            "groups": groups[split], "documents": total["documents"], "rows": total["rows"],
+            "tokens": total["tokens"], "pad_tokens": total["rows"] * config.seq_len -
+            total["tokens"], "chunks": total["chunks"],
+            "chunked_documents": total["chunked_documents"], "skipped_documents": skipped}
     accounting.check()
     for split in SPLITS:
         if split_stats[split]["documents"] == 0:
             raise ValueError(f"the {split} split has no document with a non-special token after "
                              f"tokenization; add text to {config.corpus}")
+    shutil.rmtree(tmp / "spool")
+    shutil.rmtree(tmp / "results")
 
     # 4. manifest
     real = sum(s["tokens"] for s in split_stats.values())
@@ -202,6 +260,7 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "clozax_version": clozax.__version__,
         "corpus": {"source": config.corpus, "text_field": config.text_field,
                    "group_field": config.group_field, "label_field": config.label_field,
+                   "text_unit": config.text_unit, "group_by": config.group_by,
                    **({"python": platform.python_version()} if config.corpus == "stdlib"
                       else {})},
         "documents": {"read": accounting.read, "kept": accounting.kept,
@@ -209,10 +268,12 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "skipped": accounting.skips,
         "skip_reasons": accounting.skip_reasons,
         "splits": split_stats,
+        "shards": index,
         "tokenizer": {
             "file": tokenizer_path.name, "sha256": file_sha256(tokenizer_path),
             "vocab_size": vocab_size,
             "trained_on": "given" if config.tokenizer else TRAIN,
+            "sample": None if config.tokenizer else config.tokenizer_sample,
             "model": "given" if config.tokenizer else config.tokenizer_model,
             "lowercase": None if config.tokenizer else config.lowercase,
             "specials": specials,
@@ -221,6 +282,10 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "packing_efficiency": real / total,
         "heldout_fraction": config.heldout_fraction,
         "seed": config.seed,
+        # What is cut before the tokenizer so that no input shape costs more than linear time
+        # or unbounded memory (see readers, sources, corpus).
+        "caps": {"document_chars": MAX_DOCUMENT_CHARS, "run_chars": MAX_RUN_CHARS,
+                 "jsonl_line_bytes": MAX_LINE_BYTES},
     }
     # Everything that determines the rows; its hash is the dataset's fingerprint.
     manifest["identity"] = {
@@ -230,23 +295,67 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "text_field": config.text_field,
         "seq_len": config.seq_len,
         "packer": PACKER_VERSION,
+        "shard_chars": config.shard_chars,
         "tokenizer_sha256": manifest["tokenizer"]["sha256"],
-        "files": file_records(tmp),
+        "files": file_records(tmp, data_files(index)),
     }
     manifest["fingerprint"] = fingerprint(manifest["identity"])
     files.write_json(tmp / "manifest.json", manifest)
     return manifest
 
 
+def _read_split_spool(config: PrepareConfig, records: Iterator[Record], tmp: Path,
+                      progress: Progress) -> dict:
+    """Read, clean, dedup and split; spool kept documents per split in shards of about
+    ``shard_chars`` characters (corpus order). Dedup digests and group keys live on disk
+    (``DiskSet``), so memory does not grow with the corpus; a group's side is its keyed hash."""
+    shutil.rmtree(tmp / "spool", ignore_errors=True)
+    (tmp / "spool").mkdir()
+    accounting = Accounting()
+    sets = DiskSet(tmp / "spool" / "sets.sqlite",
+                   ("digests", *(f"{split}_groups" for split in SPLITS)))
+    shards, chars = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    spools = {split: spool_path(tmp, split, 0).open("w", encoding="utf-8") for split in SPLITS}
+    docs = dict.fromkeys(SPLITS, 0)
+    reading = progress.add_task("reading", total=None, detail="")
+    for doc in clean(records, accounting, sets):
+        key = group_key(doc.group, config.seed)
+        split = assign_split(key, config.heldout_fraction)
+        sets.add(f"{split}_groups", key.to_bytes(8, "little"))
+        if chars[split] >= config.shard_chars:  # start the split's next shard
+            spools[split].close()
+            shards[split] += 1
+            chars[split] = 0
+            spools[split] = spool_path(tmp, split, shards[split]).open("w", encoding="utf-8")
+        docs[split] += 1
+        chars[split] += len(doc.text)
+        record = {"id": doc.id, "text": doc.text, "group": doc.group, "label": doc.label,
+                  "source": doc.source}  # asdict(doc), without its deep copies
+        spools[split].write(json.dumps(record, ensure_ascii=False) + "\n")
+        progress.advance(reading)
+    for f in spools.values():
+        f.close()
+    groups = {split: sets.count(f"{split}_groups") for split in SPLITS}
+    sets.close()
+    (tmp / "spool" / "sets.sqlite").unlink()
+    progress.update(reading, total=accounting.read, completed=accounting.read)
+    accounting.check()
+    _check_corpus(config, accounting, groups)
+    phase1 = {"accounting": asdict(accounting), "docs": docs, "groups": groups,
+              "shards": {split: shards[split] + 1 for split in SPLITS}}
+    files.write_json(tmp / "spool" / "done.json", phase1)
+    return phase1
+
+
 def _check_corpus(config: PrepareConfig, accounting: Accounting,
-                  groups: dict[str, set[int]]) -> None:
+                  groups: dict[str, int]) -> None:
     if accounting.kept == 0:
         if accounting.skipped:
             first = "; ".join(f"{s['source']}: {s['reason']}" for s in accounting.skips[:3])
             raise ValueError(f"every one of the {accounting.read} documents in {config.corpus} "
                              f"was skipped (first: {first}); fix the input or --text-field")
         raise ValueError(f"corpus {config.corpus} has no non-empty documents; add text")
-    n_groups = len(groups[TRAIN]) + len(groups[HELDOUT])
+    n_groups = groups[TRAIN] + groups[HELDOUT]
     for split, other in ((HELDOUT, TRAIN), (TRAIN, HELDOUT)):
         if not groups[split]:
             raise ValueError(
@@ -256,68 +365,11 @@ def _check_corpus(config: PrepareConfig, accounting: Accounting,
                 "or seed")
 
 
-def _spool(path: Path) -> Iterator[dict]:
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            yield json.loads(line)
-
-
-def _texts(path: Path, progress: Progress, task) -> Iterator[str]:
-    for record in _spool(path):
+def _texts(spools: list[Path], progress: Progress, task, threshold: int | None,
+           seed: int) -> Iterator[str]:
+    for text in sampled_texts(spools, threshold, seed):
         progress.advance(task)
-        yield record["text"]
-
-
-def _batches(path: Path) -> Iterator[list[dict]]:
-    batch = []
-    for record in _spool(path):
-        batch.append(record)
-        if len(batch) == ENCODE_BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _pack_split(config: PrepareConfig, tmp: Path, split: str, tok: Tokenizer,
-                specials: dict[str, int], dtype: np.dtype, progress: Progress,
-                n_docs: int, accounting: Accounting) -> dict:
-    """Encode, chunk and pack one split's spool. A document with no token that could ever be
-    selected (empty after tokenization, or only special tokens such as a literal ``[MASK]``)
-    is skipped with its reason, so no row can lack an eligible position."""
-    writer = SplitWriter(tmp, split, config.seq_len, dtype)
-    packer = BestFitPacker(config.seq_len, specials["pad"], writer.write_row)
-    task = progress.add_task(f"packing {split}", total=n_docs, detail="0 tokens")
-    special_ids = set(specials.values())
-    ids_hash = hashlib.sha256()  # kept documents' ids, in corpus order
-    index = chunks = long_docs = n_tokens = skipped = 0
-    for batch in _batches(tmp / f"{split}.spool.jsonl"):
-        encodings = tok.encode_batch([r["text"] for r in batch], add_special_tokens=False)
-        for record, enc in zip(batch, encodings, strict=True):
-            if all(i in special_ids for i in enc.ids):
-                accounting.unkeep(record["source"], "no non-special token after tokenization"
-                                  if enc.ids else "empty after tokenization")
-                skipped += 1
-                continue
-            pieces = chunk_document(index, enc.ids, enc.word_ids, seq_len=config.seq_len,
-                                    cls_id=specials["cls"], sep_id=specials["sep"])
-            writer.add_document(index, {"id": record["id"], "group": record["group"],
-                                        "label": record["label"], "source": record["source"],
-                                        "tokens": len(enc.ids)}, len(pieces))
-            for piece in pieces:
-                packer.add(piece)
-            ids_hash.update(bytes.fromhex(record["id"]))
-            chunks += len(pieces)
-            long_docs += len(pieces) > 1
-            n_tokens += len(enc.ids)
-            index += 1
-        progress.update(task, advance=len(batch), detail=f"{n_tokens:,} tokens")
-    packer.flush()
-    writer.close()
-    return {"documents": index, "rows": writer.rows, "tokens": writer.tokens,
-            "pad_tokens": writer.rows * config.seq_len - writer.tokens,
-            "chunks": chunks, "chunked_documents": long_docs, "skipped_documents": skipped,
-            "document_ids_sha256": ids_hash.hexdigest()}
+        yield text
 
 
 def print_summary(manifest: dict, console: Console, seconds: float | None = None) -> None:
@@ -336,8 +388,10 @@ def print_summary(manifest: dict, console: Console, seconds: float | None = None
     console.print(table)
     t = manifest["tokenizer"]
     console.print(f"seq_len {manifest['seq_len']}, packing efficiency "
-                  f"{manifest['packing_efficiency']:.4f}")
-    console.print(f"tokenizer {t['model']} (trained on {t['trained_on']}), vocab "
+                  f"{manifest['packing_efficiency']:.4f}, shards " +
+                  ", ".join(f"{k} {len(v)}" for k, v in manifest["shards"].items()))
+    sample = f", a sample of {t['sample']:,} documents" if t.get("sample") else ""
+    console.print(f"tokenizer {t['model']} (trained on {t['trained_on']}{sample}), vocab "
                   f"{t['vocab_size']:,}, sha256 {t['sha256']}")
     if seconds is not None:
         console.print(f"prepared in {seconds:.1f} s")

@@ -1,13 +1,19 @@
 """Corpus readers: each yields ``RawDocument`` or ``Skip`` records, streaming, in a fixed order.
 
-Directory corpora: a ``.txt``/``.md`` file's group is its path relative to the corpus root and
-its label the top-level subdirectory (none for files at the root); a JSONL/parquet row's group
-is ``--group-field`` or else ``file:line`` (each row its own group).
+Files (``data/sources.py`` finds and opens them: directories, globs, ``.gz``/``.zst``) are read
+one at a time in sorted order. Plain text (``.txt``/``.md``) is split by ``text_unit``: the whole
+file, each paragraph (blank-line separated) or each line is a document; JSONL, parquet (batch by
+batch) and arrow files (``datasets``' ``save_to_disk``) give one document per row.
 
-Readers never hold a whole corpus: files are walked in sorted order and read one at a time
-(a ``.txt``/``.md`` file is one document, so it is read whole; JSONL is read line by line,
-parquet batch by batch). Anything unreadable becomes a ``Skip`` with a reason, or a
-``ValueError`` when ``strict`` is set.
+Groups (the unit the split keeps on one side): ``--group-field`` for rows when given; else
+``group_by="document"`` makes each document its own group, ``group_by="file"`` puts every
+document of a file in one group. A text document's label is its top-level subdirectory.
+
+Memory stays bounded whatever the input's shape: text is decoded in blocks, a document longer
+than ``MAX_DOCUMENT_CHARS`` is cut into consecutive parts (same group, so same side of the split;
+sources ``…#1``, ``…#2``; cuts at a line end or space where possible), and a JSONL line longer
+than ``MAX_LINE_BYTES`` is skipped without being held. Anything unreadable becomes a ``Skip``
+with a reason, or a ``ValueError`` when ``strict`` is set.
 """
 
 from __future__ import annotations
@@ -20,8 +26,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-TEXT_SUFFIXES = (".txt", ".md")
-SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+from clozax.data.sources import (
+    MAX_DOCUMENT_CHARS,
+    MAX_LINE_BYTES,
+    SEPARATORS,
+    BadBytes,
+    check_readable,
+    cut_point,
+    decode,
+    decompression_errors,
+    file_kind,
+    find_files,
+    open_bytes,
+    text_blocks,
+    units,
+)
+
+TEXT_UNITS = ("file", "paragraph", "line")
+GROUP_BY = ("document", "file")
+_ROW_BATCH = 1024  # parquet/arrow rows per batch
 
 # Directories of the stdlib that hold tests, fixtures or third-party code, not documentation.
 _STDLIB_SKIP_DIRS = {
@@ -58,47 +81,50 @@ class FieldNames:
     label: str | None = None
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How files become documents and groups (see the module docstring)."""
+
+    text_unit: str = "file"
+    group_by: str = "document"
+
+    def __post_init__(self):
+        if self.text_unit not in TEXT_UNITS:
+            raise ValueError(f"--text-unit {self.text_unit!r} is unknown; use one of "
+                             f"{', '.join(TEXT_UNITS)}")
+        if self.group_by not in GROUP_BY:
+            raise ValueError(f"--group-by {self.group_by!r} is unknown; use one of "
+                             f"{', '.join(GROUP_BY)}")
+
+
 Record = RawDocument | Skip
 
 
-def read_corpus(corpus: str, fields: FieldNames, strict: bool) -> Iterator[Record]:
-    """Every record of ``corpus``: ``"stdlib"``, a directory, or one supported file.
+def read_corpus(corpus: str, fields: FieldNames, strict: bool,
+                layout: Layout = Layout()) -> Iterator[Record]:
+    """Every record of ``corpus``: ``"stdlib"``, a directory, a glob or one supported file.
 
     The path is checked now (not on first iteration), so a bad path fails before any work.
     """
     if corpus == "stdlib":
         stdlib_root_checked()
         return _guard(read_stdlib(), strict)
-    root = Path(corpus)
-    if not root.exists():
-        raise ValueError(f"corpus path {corpus} does not exist; pass an existing file or "
-                         "directory, or --corpus stdlib")
-    if root.is_file():
-        if root.suffix not in SUPPORTED_SUFFIXES:
-            raise ValueError(f"corpus file {corpus} has unsupported suffix {root.suffix!r}; "
-                             f"use one of {', '.join(SUPPORTED_SUFFIXES)}")
-        files = [root]
-        base = root.parent
-    else:
-        files = sorted(p for p in root.rglob("*") if p.suffix in SUPPORTED_SUFFIXES
-                       and p.is_file())
-        base = root
-        if not files:
-            raise ValueError(f"corpus directory {corpus} has no supported files; "
-                             f"add {', '.join(SUPPORTED_SUFFIXES)} files")
-    parquet = [p for p in files if p.suffix == ".parquet"]
-    if parquet:
-        _import_pyarrow(parquet[0])  # fail now, not after reading the other files
-    return _guard(_read_files(files, base, fields), strict)
+    files, base = find_files(corpus)
+    check_readable(files)
+    tables = [p for p in files if file_kind(p)[0] in ("parquet", "arrow")]
+    if tables:
+        _import_pyarrow(tables[0])  # fail now, not after reading the other files
+    return _guard(_read_files(files, base, fields, layout), strict)
 
 
 def _import_pyarrow(path: Path):
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"reading {path.name} and other .parquet files needs pyarrow; "
+        raise ValueError(f"reading {path.name} and other .parquet/.arrow files needs pyarrow; "
                          "pip install 'clozax[parquet]'") from None
-    return pq
+    return pa, pq
 
 
 def _guard(records: Iterator[Record], strict: bool) -> Iterator[Record]:
@@ -109,46 +135,72 @@ def _guard(records: Iterator[Record], strict: bool) -> Iterator[Record]:
         yield record
 
 
-def _read_files(files: list[Path], base: Path, fields: FieldNames) -> Iterator[Record]:
+def _read_files(files: list[Path], base: Path, fields: FieldNames,
+                layout: Layout) -> Iterator[Record]:
     for path in files:
-        rel = path.relative_to(base).as_posix()
-        if path.suffix in TEXT_SUFFIXES:
-            yield _read_text_file(path, rel)
-        elif path.suffix == ".jsonl":
-            yield from _read_jsonl(path, rel, fields)
-        else:
-            yield from _read_parquet(path, rel, fields)
+        rel = path.relative_to(base).as_posix() if path.is_relative_to(base) else path.as_posix()
+        kind = file_kind(path)[0]
+        if kind == "text":
+            yield from _read_text(path, rel, layout)
+            continue
+        rows = {"jsonl": _read_jsonl, "parquet": _read_parquet, "arrow": _read_arrow}[kind]
+        for record in rows(path, rel, fields, layout):
+            yield from split_long(record)
 
 
-def _decode(data: bytes) -> str:
-    """Decode UTF-8 or raise ``_BadBytes`` with a reason naming the first problem."""
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        raise _BadBytes(f"binary content (NUL byte at offset {nul})")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _BadBytes(f"invalid UTF-8 at byte {e.start}") from None
+def split_long(record: Record, limit: int = MAX_DOCUMENT_CHARS) -> Iterator[Record]:
+    """The record itself, or its consecutive parts when its text exceeds ``limit``."""
+    if isinstance(record, Skip) or len(record.text) <= limit:
+        yield record
+        return
+    text, pos, part = record.text, 0, 0
+    while pos < len(text):
+        end = pos + cut_point(text[pos : pos + limit], limit) if len(text) - pos > limit \
+            else len(text)
+        part += 1
+        yield RawDocument(text[pos:end], record.group, record.label, f"{record.source}#{part}")
+        pos = end
 
 
-class _BadBytes(Exception):
-    pass
-
-
-def _read_text_file(path: Path, rel: str) -> Record:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        return Skip(rel, f"unreadable ({e.strerror or type(e).__name__})")
-    try:
-        text = _decode(data)
-    except _BadBytes as e:
-        return Skip(rel, str(e))
+def _read_text(path: Path, rel: str, layout: Layout) -> Iterator[Record]:
+    """Documents of one text file by ``layout.text_unit``, streamed in blocks."""
     top = rel.split("/")[0] if "/" in rel else None
-    return RawDocument(text=text, group=rel, label=top, source=rel)
+    whole_file = layout.text_unit == "file"
+    pending: list[RawDocument] = []  # a whole file's single document waits for the end
+
+    def doc(text: str, source: str) -> RawDocument:
+        group = rel if whole_file or layout.group_by == "file" else source
+        return RawDocument(text=text, group=group, label=top, source=source)
+
+    try:
+        handle = open_bytes(path)
+    except OSError as e:
+        yield Skip(rel, f"unreadable ({e.strerror or type(e).__name__})")
+        return
+    pieces = units(text_blocks(handle), None if whole_file else SEPARATORS[layout.text_unit])
+    emitted = False
+    try:
+        with handle:
+            for line, text, part in pieces:
+                source = rel if whole_file else f"{rel}:{line}"
+                if part:
+                    source = f"{source}#{part}"
+                if whole_file and part == 0:
+                    pending.append(doc(text, source))  # the file may still turn out bad
+                    continue
+                if not whole_file and not text.strip():
+                    continue  # blank units separate nothing; they are not documents
+                emitted = True
+                yield from split_long(doc(text, source))
+    except (BadBytes, OSError) as e:
+        reason = str(e) if isinstance(e, BadBytes) else \
+            f"unreadable ({e.strerror or type(e).__name__})"
+        yield Skip(f"{rel}#rest" if emitted else rel, reason)
+        return
+    yield from pending
 
 
-def _from_row(row: object, where: str, fields: FieldNames) -> Record:
+def _from_row(row: object, where: str, fields: FieldNames, group_default: str) -> Record:
     if not isinstance(row, dict):
         return Skip(where, f"not a JSON object (got {type(row).__name__})")
     text = row.get(fields.text)
@@ -162,50 +214,95 @@ def _from_row(row: object, where: str, fields: FieldNames) -> Record:
             if row.get(name) is None:
                 return Skip(where, f"lacks {kind} field {name!r}")
             found[kind] = str(row[name])
-    return RawDocument(text=text, group=found.get("group", where), label=found.get("label"),
-                       source=where)
+    return RawDocument(text=text, group=found.get("group", group_default),
+                       label=found.get("label"), source=where)
 
 
-def _read_jsonl(path: Path, rel: str, fields: FieldNames) -> Iterator[Record]:
+def _read_jsonl(path: Path, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
     try:
-        handle = path.open("rb")
+        handle = open_bytes(path)
     except OSError as e:
         yield Skip(rel, f"unreadable ({e.strerror or type(e).__name__})")
         return
-    with handle:
-        for number, line in enumerate(handle, start=1):
+    number = 0
+    try:
+        with handle:
+            while line := handle.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                where = f"{rel}:{number}"
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    while (rest := handle.readline(MAX_LINE_BYTES)) and \
+                            not rest.endswith(b"\n"):
+                        pass  # drop the rest of the line without holding it
+                    yield Skip(where, f"line longer than {MAX_LINE_BYTES} bytes (split the row "
+                               "into smaller documents)")
+                    continue
+                if not line.strip():
+                    continue  # blank lines separate nothing; they are not documents
+                try:
+                    row = json.loads(decode(line))
+                except BadBytes as e:
+                    yield Skip(where, str(e))
+                    continue
+                except json.JSONDecodeError as e:
+                    yield Skip(where, f"not valid JSON ({e.msg})")
+                    continue
+                group = rel if layout.group_by == "file" else where
+                yield _from_row(row, where, fields, group)
+    except (OSError, *decompression_errors()) as e:
+        yield Skip(f"{rel}:{number + 1}+", f"corrupt compressed data ({type(e).__name__}); "
+                   "the rest of the file is skipped")
+
+
+def _table_rows(batches, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
+    number = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            number += 1
             where = f"{rel}:{number}"
-            if not line.strip():
-                continue  # blank lines separate nothing; they are not documents
-            try:
-                row = json.loads(_decode(line))
-            except _BadBytes as e:
-                yield Skip(where, str(e))
-                continue
-            except json.JSONDecodeError as e:
-                yield Skip(where, f"not valid JSON ({e.msg})")
-                continue
-            yield _from_row(row, where, fields)
+            group = rel if layout.group_by == "file" else where
+            yield _from_row(row, where, fields, group)
 
 
-def _read_parquet(path: Path, rel: str, fields: FieldNames) -> Iterator[Record]:
-    pq = _import_pyarrow(path)
+def _read_parquet(path: Path, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
+    _, pq = _import_pyarrow(path)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error types for corrupt files
         yield Skip(rel, f"unreadable parquet ({type(e).__name__}: {e})".splitlines()[0])
         return
-    columns = [c for c in (fields.text, fields.group, fields.label) if c is not None]
     present = set(parquet.schema_arrow.names)
     if fields.text not in present:
         yield Skip(rel, f"lacks text column {fields.text!r}")
         return
-    number = 0
-    for batch in parquet.iter_batches(batch_size=4096, columns=[c for c in columns
-                                                                if c in present]):
-        for row in batch.to_pylist():
-            number += 1
-            yield _from_row(row, f"{rel}:{number}", fields)
+    columns = [c for c in (fields.text, fields.group, fields.label) if c in present]
+    yield from _table_rows(parquet.iter_batches(batch_size=_ROW_BATCH, columns=columns), rel,
+                           fields, layout)
+
+
+def _read_arrow(path: Path, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
+    """An arrow IPC stream (what ``datasets``' ``save_to_disk`` writes) or file, batch by
+    batch from a memory map."""
+    pa, _ = _import_pyarrow(path)
+    try:
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            file = pa.ipc.open_file(source)
+            reader = (file.get_batch(i) for i in range(file.num_record_batches))
+            schema = file.schema
+        else:
+            schema = reader.schema
+    except Exception as e:  # pyarrow's own error types for corrupt files
+        yield Skip(rel, f"unreadable arrow ({type(e).__name__}: {e})".splitlines()[0])
+        return
+    if fields.text not in schema.names:
+        yield Skip(rel, f"lacks text column {fields.text!r}")
+        return
+    columns = [c for c in (fields.text, fields.group, fields.label) if c in schema.names]
+    yield from _table_rows((b.select(columns) for b in reader), rel, fields, layout)
 
 
 def stdlib_root() -> Path:

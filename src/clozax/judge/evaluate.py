@@ -34,14 +34,11 @@ EVAL_FILE = "eval.json"
 FAILURES_FILE = "failures.jsonl"
 
 
-def unigram_logprobs(split, vocab_size: int, special_ids) -> np.ndarray:
-    """(vocab,) float64 log-probabilities: counts of non-pad, non-special tokens of ``split``,
-    add-one smoothed over the non-special ids; special ids get -inf."""
-    counts = np.zeros(vocab_size, np.int64)
-    for start in range(0, split.rows, 4096):
-        tokens = np.asarray(split.tokens[start : start + 4096])
-        real = np.asarray(split.segments[start : start + 4096]) > 0
-        counts += np.bincount(tokens[real].astype(np.int64), minlength=vocab_size)
+def unigram_logprobs(counts: np.ndarray, special_ids) -> np.ndarray:
+    """(vocab,) float64 log-probabilities from ``counts`` (the train split's real-token counts,
+    stored at prepare time), add-one smoothed over the non-special ids; specials get -inf."""
+    counts = np.array(counts, np.int64)
+    vocab_size = counts.size
     special = np.zeros(vocab_size, bool)
     special[list(special_ids)] = True
     counts[special] = 0
@@ -107,7 +104,7 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
     trained = slot_outputs(run.params, cfg.model, split, masks, batch_size, slot_fn)
     random = slot_outputs(init_params(cfg.model, cfg.train.seed), cfg.model, split, masks,
                           batch_size, slot_fn)
-    unigram = unigram_logprobs(dataset.train, dataset.vocab_size, special_ids)
+    unigram = unigram_logprobs(dataset.unigram_counts("train"), special_ids)
     trained_metrics = trained.sums(masks).metrics()
 
     transfer = None

@@ -2,7 +2,7 @@
 
 Task: a label per document and a group per document; the probe is split by *group* (the
 classifier is tested on groups it never saw). Default task on a prepared dataset: the ``label``
-of each document in ``{split}.documents.jsonl`` (for the built-in corpus, a docstring's
+of each document in the dataset's ``documents.jsonl`` shards (for the built-in corpus, a docstring's
 top-level stdlib package; groups are modules), both splits together. A user task is a JSONL file
 with ``text``, ``label`` and ``group`` fields.
 
@@ -72,11 +72,7 @@ def dataset_task(dataset, tokenizer) -> Task:
     specials = set(dataset.specials.values())
     ids, text, label, group = [], [], [], []
     for name, split in (("train", dataset.train), ("heldout", dataset.heldout)):
-        path = dataset.path / f"{name}.documents.jsonl"
-        if not path.is_file():
-            raise ValueError(f"dataset {dataset.path} lacks {path.name}; re-run `clozax prepare`")
-        for line in path.read_text(encoding="utf-8").splitlines():
-            doc = json.loads(line)
+        for doc in dataset.documents(name):  # streamed, shard by shard
             if doc.get("label") is None or not doc.get("chunks"):
                 continue
             row, segment = doc["chunks"][0]

@@ -22,7 +22,7 @@ Checks, numbered as printed (``CHECKS``):
  9 data_disjoint           no group and no document hash in both splits
 10 tokenizer               trained on train only; sha256 of the files equal the recorded ones
 11 packing_accounting      read = kept + duplicates + skipped; rows x seq_len = tokens + pad;
-                           the arrays and documents.jsonl agree with the manifest
+                           the arrays, unigram counts and documents agree with the manifest
 12 eval_masks              the stored eval-mask set's sha256 matches, and rebuilding it from the
                            eval key reproduces it
 13 empty_selection         an empty selection is rejected on the host with a clear ValueError

@@ -10,10 +10,7 @@ import numpy as np
 
 from clozax.core.files import file_sha256
 from clozax.data.dataset import (
-    ARRAYS,
-    DATA_FILES,
     Dataset,
-    Split,
     fingerprint,
     open_dataset,
     verify_files,
@@ -26,16 +23,7 @@ from clozax.train import heldout
 def open_dataset_for_audit(path: Path) -> Dataset:
     """``open_dataset``, except that a tokenizer file not matching the manifest is left to the
     tokenizer check to report instead of refusing to open."""
-    try:
-        return open_dataset(path)
-    except ValueError as e:
-        if "does not match the sha256" not in str(e):
-            raise
-    path = Path(path)
-    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-    splits = {s: Split(**{a: np.load(path / f"{s}.{a}.npy", mmap_mode="r") for a in ARRAYS})
-              for s in SPLITS}
-    return Dataset(path=path, manifest=manifest, **splits)
+    return open_dataset(path, check_tokenizer=False)
 
 
 def check_eval_masks(pipe: Pipeline, dataset: Dataset, run_dir: Path) -> CheckResult:
@@ -59,17 +47,21 @@ def check_eval_masks(pipe: Pipeline, dataset: Dataset, run_dir: Path) -> CheckRe
                        f"{rebuilt_sha[:12]}: the set is not the one eval_seed gives")
 
 
-def _documents(dataset: Dataset, split: str) -> list[dict]:
-    path = dataset.path / f"{split}.documents.jsonl"
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def check_data_disjoint(dataset: Dataset) -> CheckResult:
-    docs = {split: _documents(dataset, split) for split in SPLITS}
-    groups = [{d["group"] for d in docs[s]} for s in SPLITS]
-    ids = [{d["id"] for d in docs[s]} for s in SPLITS]
-    shared_groups, shared_ids = groups[0] & groups[1], ids[0] & ids[1]
+    """Groups and document hashes of the two splits, streamed: the held-out ones are kept in
+    sets (the small side), then every train document is looked up."""
+    held_groups, held_ids = set(), set()
+    for d in dataset.documents(SPLITS[1]):
+        held_groups.add(d["group"])
+        held_ids.add(d["id"])
+    train_docs, shared_groups, shared_ids = 0, set(), set()
+    for d in dataset.documents(SPLITS[0]):
+        train_docs += 1
+        if d["group"] in held_groups:
+            shared_groups.add(d["group"])
+        if d["id"] in held_ids:
+            shared_ids.add(d["id"])
+    train_groups = dataset.manifest["splits"][SPLITS[0]]["groups"]
     value = {"shared_groups": len(shared_groups), "shared_documents": len(shared_ids)}
     if shared_groups or shared_ids:
         examples = sorted(map(str, shared_groups))[:2] + sorted(shared_ids)[:2]
@@ -77,8 +69,8 @@ def check_data_disjoint(dataset: Dataset) -> CheckResult:
                            f"{len(shared_groups)} group(s) and {len(shared_ids)} document "
                            f"hash(es) are in both splits, e.g. {examples}")
     return CheckResult("data_disjoint", True, value,
-                       f"{len(groups[0])}/{len(groups[1])} groups and {len(ids[0])}/"
-                       f"{len(ids[1])} document hashes (train/held-out), none shared")
+                       f"{train_groups}/{len(held_groups)} groups and {train_docs}/"
+                       f"{len(held_ids)} document hashes (train/held-out), none shared")
 
 
 def check_tokenizer(dataset: Dataset, run_dir: Path | None = None) -> CheckResult:
@@ -123,13 +115,21 @@ def check_packing_accounting(dataset: Dataset) -> CheckResult:
         if s["rows"] * seq_len != s["tokens"] + s["pad_tokens"]:
             problems.append(f"{name}: rows x seq_len {s['rows'] * seq_len} != tokens "
                             f"{s['tokens']} + pad {s['pad_tokens']}")
-        real = int(np.count_nonzero(np.asarray(split.segments)))
+        counts = np.zeros(dataset.vocab_size, np.int64)  # real tokens per id, streamed
+        for start in range(0, split.rows, 4096):
+            real_mask = np.asarray(split.segments[start : start + 4096]) > 0
+            counts += np.bincount(np.asarray(split.tokens[start : start + 4096])[real_mask]
+                                  .astype(np.int64), minlength=dataset.vocab_size)
+        real = int(counts.sum())
         if split.rows != s["rows"] or real != s["tokens"]:
             problems.append(f"{name}: arrays hold {split.rows} rows / {real} real tokens, "
                             f"manifest {s['rows']} / {s['tokens']}")
-        docs = _documents(dataset, name)
-        if len(docs) != s["documents"]:
-            problems.append(f"{name}: {len(docs)} documents listed, manifest {s['documents']}")
+        if not np.array_equal(counts, dataset.unigram_counts(name)):
+            problems.append(f"{name}: the stored unigram counts (evaluate's baseline) differ "
+                            "from the arrays' tokens")
+        listed = sum(1 for _ in dataset.documents(name))
+        if listed != s["documents"]:
+            problems.append(f"{name}: {listed} documents listed, manifest {s['documents']}")
     if kept != d["kept"]:
         problems.append(f"split documents sum to {kept}, manifest kept {d['kept']}")
     value = {"documents": d, "splits": {n: {k: m["splits"][n][k] for k in
@@ -140,7 +140,7 @@ def check_packing_accounting(dataset: Dataset) -> CheckResult:
     return CheckResult("packing_accounting", True, value,
                        f"read {d['read']} = kept {d['kept']} + duplicates {d['duplicates']} + "
                        f"skipped {d['skipped']}; rows x {seq_len} = tokens + pad in both "
-                       "splits; arrays and documents.jsonl agree with the manifest")
+                       "splits; arrays, unigram counts and documents.jsonl agree with the manifest")
 
 
 def check_data_identity(dataset: Dataset) -> CheckResult:
@@ -149,10 +149,11 @@ def check_data_identity(dataset: Dataset) -> CheckResult:
     problems = verify_files(dataset)
     if fingerprint(dataset.manifest["identity"]) != dataset.fingerprint:
         problems.insert(0, "the fingerprint does not hash the manifest's identity")
-    value = {"fingerprint": dataset.fingerprint, "files": len(DATA_FILES),
+    n_files = len(dataset.manifest["identity"]["files"])
+    value = {"fingerprint": dataset.fingerprint, "files": n_files,
              "mismatches": problems}
     if problems:
         return CheckResult("data_identity", False, value, "; ".join(problems))
     return CheckResult("data_identity", True, value,
-                       f"{len(DATA_FILES)} data files match their sha256; fingerprint "
+                       f"{n_files} data files match their sha256; fingerprint "
                        f"{dataset.fingerprint[:12]} hashes the identity")

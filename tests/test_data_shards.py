@@ -1,0 +1,137 @@
+"""Sharded output: the index, reading rows through it, workers that change no byte, resuming a
+killed prepare, and the tokenizer's keyed sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clozax.data import open_dataset, prepare
+from clozax.data.dataset import Split, verify_files
+from clozax.data.loader import host_batch
+from clozax.data.pack import PAUSE_AFTER_SHARD_ENV, sample_threshold, sampled_texts
+from clozax.data.shards import ARRAYS, RowArray
+
+WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
+# About 12 spool shards for the train split: small enough to be quick, several per worker.
+OPTIONS = dict(vocab_size=120, seq_len=32, heldout_fraction=0.2, shard_chars=1500)
+
+
+def _corpus(root: Path, n: int = 240) -> Path:
+    rng = random.Random(0)
+    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))),
+             "label": f"l{i % 3}"} for i in range(n)]
+    rows += rows[:10]  # duplicates, counted once each
+    rows.append({"text": "[MASK] [MASK]"})  # only specials after tokenization: a late skip
+    path = root / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_row_array_indexes_like_the_concatenated_shards():
+    rng = np.random.default_rng(0)
+    shards = [rng.integers(0, 9, (n, 4)).astype(np.uint16) for n in (3, 0, 5, 2)]
+    whole = np.concatenate(shards)
+    opened = []
+    rows = RowArray(lambda k: opened.append(k) or shards[k], [len(s) for s in shards], 4,
+                    np.uint16)
+    assert rows.shape == whole.shape and len(rows) == 10
+    assert np.array_equal(rows[7], whole[7]) and opened == [2]  # only the shard it lives in
+    for key in (slice(None), slice(2, 9, 3), np.array([9, 0, 4, 4, -1]), [3]):
+        assert np.array_equal(rows[key], whole[key])
+    assert np.array_equal(np.asarray(rows), whole)
+    with pytest.raises(IndexError):
+        rows[np.array([10])]
+
+
+@pytest.mark.slow
+def test_one_and_two_workers_write_byte_identical_shards_with_one_accounting(tmp_path):
+    corpus = _corpus(tmp_path)
+    one = prepare(tmp_path / "w1", corpus=str(corpus), workers=1, quiet=True, **OPTIONS)
+    two = prepare(tmp_path / "w2", corpus=str(corpus), workers=2, quiet=True, **OPTIONS)
+    assert len(one["shards"]["train"]) >= 6 and len(one["shards"]["heldout"]) >= 2
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w2")  # manifest included
+    d = two["documents"]
+    assert d["read"] == d["kept"] + d["duplicates"] + d["skipped"] == 251
+    assert d["duplicates"] == 10 and two["skip_reasons"] == {
+        "no non-special token after tokenization": 1}
+    assert d["kept"] == sum(s["documents"] for s in two["splits"].values())
+
+    # Reading through the index: every document's chunks, at their global rows, hold its tokens.
+    ds = open_dataset(tmp_path / "w2")
+    assert isinstance(ds.train.tokens, RowArray) and verify_files(ds) == []
+    for split in ("train", "heldout"):
+        arrays = getattr(ds, split)
+        docs = list(ds.documents(split))
+        assert sorted(r["index"] for r in docs) == list(range(len(docs)))
+        seen = 0
+        for doc in docs:
+            for row, segment in doc["chunks"]:
+                seen += int(np.count_nonzero(arrays.segments[row] == segment))
+        assert seen == two["splits"][split]["tokens"]
+        counts = np.bincount(np.asarray(arrays.tokens)[np.asarray(arrays.segments) > 0]
+                             .astype(np.int64), minlength=ds.vocab_size)
+        assert np.array_equal(counts, ds.unigram_counts(split))
+
+    # The training loader reads a batch through the index as from one concatenated array.
+    whole = Split(**{kind: np.asarray(getattr(ds.train, kind)) for kind in ARRAYS})
+    rows = np.array([ds.train.rows - 1, 0, 17, 3, 17])
+    got, want = host_batch(ds.train, rows), host_batch(whole, rows)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_mid_prepare_equals_an_uninterrupted_run(tmp_path):
+    corpus = _corpus(tmp_path)
+    whole = tmp_path / "whole"
+    prepare(whole, corpus=str(corpus), workers=1, quiet=True, **OPTIONS)
+    out = tmp_path / "out"
+    call = (f"from clozax.data import prepare; prepare({str(out)!r}, corpus={str(corpus)!r}, "
+            f"workers=1, quiet=True, **{OPTIONS!r})")
+    proc = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE,
+                            env={**os.environ, PAUSE_AFTER_SHARD_ENV: "0.5"})
+    deadline = time.monotonic() + 60
+    finished: list[Path] = []
+    while len(finished) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+        finished = list(tmp_path.glob(".out.partial-*/results/*.result.json"))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(finished) >= 3, proc.stderr.read().decode()
+    assert not out.exists()  # nothing visible as complete
+    partial = next(tmp_path.glob(".out.partial-*"))
+    first = partial / "train" / "shard-00000.tokens.npy"
+    written_at = first.stat().st_mtime_ns
+
+    prepare(out, corpus=str(corpus), workers=2, quiet=True, **OPTIONS)
+    assert _files(out) == _files(whole)
+    assert (out / "train" / "shard-00000.tokens.npy").stat().st_mtime_ns == written_at  # kept
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_tokenizer_sample_is_exactly_n_documents_chosen_by_a_keyed_hash(tmp_path):
+    spools = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for i, path in enumerate(spools):
+        path.write_text("".join(json.dumps({"id": f"{i:02x}{k:030x}", "text": f"t{i}-{k}"}) +
+                                "\n" for k in range(50)))
+    texts = {seed: list(sampled_texts(spools, sample_threshold(spools, 7, seed), seed))
+             for seed in (0, 1)}
+    assert len(texts[0]) == len(texts[1]) == 7 and texts[0] != texts[1]
+    every = [f"t{i}-{k}" for i in range(2) for k in range(50)]
+    assert texts[0] == [t for t in every if t in texts[0]]  # corpus order kept
+    assert sample_threshold(spools, 100, 0) is None  # a sample of all is all
+    assert list(sampled_texts(spools, None, 0)) == every
