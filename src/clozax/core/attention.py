@@ -31,6 +31,13 @@ def visible(attention_mask, segments, within_segments):
     return same[:, None, :, :] & key_real  # (batch, 1, seq, seq)
 
 
+def window(seq: int, half: int):
+    """(1, 1, seq, seq) bool: True where |query - key| <= ``half``, the bidirectional sliding
+    window of ``model.local_window = 2 * half`` (HF ModernBERT: ``local_attention // 2``)."""
+    index = jnp.arange(seq)
+    return (jnp.abs(index[:, None] - index[None, :]) <= half)[None, None]
+
+
 def rows_mask(mask, rows):
     """``mask`` (batch, 1, q or 1, k) restricted to query positions ``rows`` (batch, count)."""
     if mask.shape[2] == 1:
