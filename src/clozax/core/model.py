@@ -162,7 +162,16 @@ def _block(x, p, shared, lengths, config: ModelConfig, rows=None):
         if rows is not None:
             cos, sin = gather(cos, rows), gather(sin, rows)  # (batch, count, head_dim)
         q = positions_lib.rotate(q, cos, sin)
-    ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, heads, hd)
+    if rows is None and "is_global" in p and pattern.blocked_local(c, seq):
+        ctx = jax.lax.cond(  # one compiled block for both kinds; only the layer's runs
+            p["is_global"],
+            lambda: attention_lib.attend(q, k, v, shared["mask"], c.attention, lengths,
+                                         dtype).astype(jnp.float32),
+            lambda: attention_lib.blocked_local_attend(q, k, v, shared["key_real"],
+                                                       shared["segments"], c.local_window // 2,
+                                                       dtype))
+    else:
+        ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, n, hd)
     attn = layers.dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
     x = x + attn.astype(jnp.float32)
     if not pre:

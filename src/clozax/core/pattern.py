@@ -55,6 +55,9 @@ def shared(config: ModelConfig, attention_mask, segments) -> dict:
     if c.has_local_layers:
         shared["local_mask"] = mask & attention_lib.window(attention_mask.shape[1],
                                                            c.local_window // 2)
+        if blocked_local(c, attention_mask.shape[1]):  # what the blocked path reads instead
+            shared["key_real"] = attention_mask
+            shared["segments"] = segments if c.attention_within_segments else None
     if c.positions == "rope":
         seq = attention_mask.shape[1]
         positions = (positions_lib.document_positions(segments) if c.attention_within_segments
@@ -65,3 +68,10 @@ def shared(config: ModelConfig, attention_mask, segments) -> dict:
             shared["rope_local"] = positions_lib.rope_tables(positions, c.head_dim,
                                                              c.rope_theta_local)
     return shared
+
+
+def blocked_local(config: ModelConfig, seq: int) -> bool:
+    """Whether local layers run ``attention.blocked_local_attend`` (O(seq * window)) rather
+    than full attention under the window mask: when the row is at least four windows long, so
+    that the blocked scores (1.5 windows per query) are under 3/8 of the full ones."""
+    return config.has_local_layers and seq >= 4 * config.local_window
