@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# The encoder's maximum number of positions; prepared rows may not be longer.
-MAX_SEQ_LEN = 512
+# The longest row any preset takes (modern-base: 8192); train checks a row against its model.
+MAX_SEQ_LEN = 8192
 MIN_SEQ_LEN = 8
 # Open rows kept for best fit. Larger packs a little tighter and costs only memory.
 PACKING_WINDOW = 1024

@@ -82,7 +82,7 @@ class PrepareConfig:
     def __post_init__(self):
         if not MIN_SEQ_LEN <= self.seq_len <= MAX_SEQ_LEN:
             raise ValueError(f"--seq-len {self.seq_len} is outside [{MIN_SEQ_LEN}, "
-                             f"{MAX_SEQ_LEN}] (the model's maximum positions); pick a value "
+                             f"{MAX_SEQ_LEN}] (the longest model preset's positions); pick a value "
                              "in that range")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"--heldout-fraction {self.heldout_fraction} must be strictly "
