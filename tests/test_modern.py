@@ -304,3 +304,46 @@ def test_the_audit_passes_on_a_modern_tiny_run(stdlib_data, tmp_path):
     report = audit.audit_run(tmp_path / "run", batches=20)
     failed = [c["name"] for c in report["checks"] if not c["passed"]]
     assert report["passed"] and failed == [], failed
+
+
+FSDP_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from clozax.train import config as C, loop as T
+data, out = sys.argv[1], sys.argv[2]
+base = ["train.batch_size=8", "train.steps=2", "train.eval_every=2", "train.save_every=2",
+        "train.eval_rows=16", "train.eval_sample=8", "optim.warmup_steps=1"]
+res = {}
+for name, extra in (("1", ["train.devices=1"]),
+                    ("4fsdp", ["train.devices=4", "train.fsdp=true"]),
+                    ("4x2micro", ["train.devices=4", "train.microbatches=2",
+                                  "model.remat=\"block\""])):
+    r = T.train(data, f"{out}/{name}", C.resolve(preset="modern-tiny", overrides=[*base, *extra]))
+    res[name] = {"loss": r.final_loss, "params": [np.asarray(x).ravel().tolist()
+                                                  for x in jax.tree.leaves(r.state.params)]}
+print(json.dumps({"devices": jax.device_count(), **res}))
+"""
+
+
+@pytest.mark.slow
+def test_modern_training_is_the_same_on_four_devices_with_fsdp_microbatches_and_remat(
+        stdlib_data, tmp_path):
+    """Two modern-tiny steps: 1 device against 4 (parameters sharded with fsdp; or replicated
+    with 2 microbatches and per-block remat) give the same loss and parameters."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(stdlib_data), str(tmp_path)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 4
+    for name in ("4fsdp", "4x2micro"):
+        assert out[name]["loss"] == pytest.approx(out["1"]["loss"], rel=1e-5)
+        for a, b in zip(out["1"]["params"], out[name]["params"], strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
