@@ -12,6 +12,12 @@ block pairs of clozax tokens/s / HF tokens/s.
     .venv/bin/python benchmarks/compare_hf.py --dtype fp32 --blocks 6 --steps-per-block 5
     .venv/bin/python benchmarks/compare_hf.py --synthetic --json
     .venv/bin/python benchmarks/compare_hf.py --shape base --dtype bf16   # BERT-base, for GPUs
+    .venv/bin/python benchmarks/compare_hf.py --shape modern-small --synthetic --dtype fp32
+    .venv/bin/python benchmarks/compare_hf.py --shape modern-base --synthetic --dtype bf16
+
+The ``modern-*`` shapes put clozax's modern presets (RoPE, GeGLU, no biases, global attention
+every third layer and a 128-token window on the others, 30 % masking, rows of 1024) against
+``ModernBertForMaskedLM`` (SDPA, the same sliding window as a mask) with a 30 % collator.
 
 clozax side: ``clozax.train.make_train_step`` + ``make_optimizer`` (the real step: on-device
 corruption, sparse head at the static selected slots, clipping, AdamW), ``jax.jit`` with
@@ -50,6 +56,8 @@ SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 SHAPES = {  # model preset, vocabulary, sequence length, batch
     "small": {"preset": "small", "vocab": 8192, "seq": 128, "batch": 32},
     "base": {"preset": "base", "vocab": 8192, "seq": 128, "batch": 32},
+    "modern-small": {"preset": "modern-small", "vocab": 8192, "seq": 1024, "batch": 4},
+    "modern-base": {"preset": "modern-base", "vocab": 8192, "seq": 1024, "batch": 32},
 }
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 LR, B1, B2, EPS, WD, CLIP = 1e-3, 0.9, 0.98, 1e-6, 0.01, 1.0  # clozax's OptimConfig defaults
@@ -58,13 +66,25 @@ LR, B1, B2, EPS, WD, CLIP = 1e-3, 0.9, 0.98, 1e-6, 0.01, 1.0  # clozax's OptimCo
 # ----------------------------------------------------------------------------- FLOPs
 
 
-def _layer_forward_flops_per_token(hidden: int, intermediate: int, seq: int) -> int:
-    """One encoder layer's forward matmul FLOPs per token: dense layers + attention."""
-    return 2 * (4 * hidden * hidden + 2 * hidden * intermediate) + 4 * seq * hidden
+def _layer_forward_flops_per_token(hidden: int, intermediate: int, seq: int,
+                                   glu: bool = False) -> int:
+    """One encoder layer's forward matmul FLOPs per token: dense layers + attention over
+    ``seq`` keys (a local layer's keys: its window, ``layer_keys``). A GLU MLP's input matmul
+    is twice as wide (input and gate halves)."""
+    mlp = (3 if glu else 2) * hidden * intermediate
+    return 2 * (4 * hidden * hidden + mlp) + 4 * seq * hidden
+
+
+def layer_keys(seq: int, layers: int, global_every: int = 1, window: int = 0) -> list[int]:
+    """Keys each query attends to, per layer: ``seq`` on global layers, the ``window + 1``
+    keys within ``window // 2`` on each side on local ones (fewer only near the row's ends,
+    ignored here: an upper bound by < window / seq)."""
+    return [seq if i % global_every == 0 else min(seq, window + 1) for i in range(layers)]
 
 
 def useful_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: int, seq: int,
-                          batch: int, selected: int) -> float:
+                          batch: int, selected: int, glu: bool = False,
+                          keys: list[int] | None = None) -> float:
     """Useful training FLOPs of one step (forward + backward = 3 x forward): the matmul work
     the MLM loss depends on.
 
@@ -76,21 +96,25 @@ def useful_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: in
     projection and MLP only for S. Plus the MLM head on S (transform and tied decoder,
     ``2 * (H^2 + H V)``). Element-wise work (LayerNorm, GELU, softmax, AdamW) is not counted.
     HF executes the full last layer and a dense head over all T (``executed_flops_per_step``).
+    ``keys`` (``layer_keys``) gives each layer's attended keys per query (default: ``seq``).
     """
     tokens, sel = batch * seq, batch * selected
-    per_token = _layer_forward_flops_per_token(hidden, intermediate, seq)
+    keys = keys or [seq] * layers
+    per_token = [_layer_forward_flops_per_token(hidden, intermediate, k, glu) for k in keys]
     last_kv = 2 * 2 * hidden * hidden * tokens
-    last_rows = (per_token - 2 * 2 * hidden * hidden) * sel  # all but the keys and values
+    last_rows = (per_token[-1] - 2 * 2 * hidden * hidden) * sel  # all but the keys and values
     head = 2 * (hidden * hidden + hidden * vocab) * sel
-    return float(3 * ((layers - 1) * per_token * tokens + last_kv + last_rows + head))
+    return float(3 * (sum(per_token[:-1]) * tokens + last_kv + last_rows + head))
 
 
 def executed_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: int, seq: int,
-                            batch: int) -> float:
+                            batch: int, glu: bool = False,
+                            keys: list[int] | None = None) -> float:
     """Training FLOPs of a full encoder and a head over every position (what HF executes)."""
     tokens = batch * seq
-    per_token = _layer_forward_flops_per_token(hidden, intermediate, seq)
-    return float(3 * (layers * per_token + 2 * (hidden * hidden + hidden * vocab)) * tokens)
+    keys = keys or [seq] * layers
+    per_token = sum(_layer_forward_flops_per_token(hidden, intermediate, k, glu) for k in keys)
+    return float(3 * (per_token + 2 * (hidden * hidden + hidden * vocab)) * tokens)
 
 
 class MatmulPeak:
@@ -269,24 +293,19 @@ class HFSide:
                  compiled: bool = False):
         import torch
         import transformers
-        from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
+        from transformers import DataCollatorForLanguageModeling
 
         self.torch, self.rows, self.batch, self.device = torch, rows, shape["batch"], device
         torch.manual_seed(0)
-        h = _hf_dims(shape["preset"])
-        config = BertConfig(
-            vocab_size=shape["vocab"], hidden_size=h["hidden"], num_hidden_layers=h["layers"],
-            num_attention_heads=h["heads"], intermediate_size=h["intermediate"],
-            max_position_embeddings=512, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, hidden_act="gelu", pad_token_id=rows.specials["pad"],
-        )
-        self.model = BertForMaskedLM(config).to(device)
+        model, rate = _hf_model(shape, rows.specials["pad"])
+        self.model = model.to(device)
         self.model.train()
         self.attn_impl = getattr(self.model.config, "_attn_implementation", "?")
         self.compiled = compiled
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
-            (no_decay if ("bias" in name or "LayerNorm" in name) else decay).append(p)
+            (no_decay if ("bias" in name or "LayerNorm" in name or "norm" in name)
+             else decay).append(p)
         groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
         try:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=(B1, B2), eps=EPS, fused=True)
@@ -295,7 +314,7 @@ class HFSide:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=(B1, B2), eps=EPS)
             self.opt_kind = "AdamW(default)"
         self.collator = DataCollatorForLanguageModeling(
-            _hf_tokenizer(rows, data), mlm=True, mlm_probability=0.15, return_tensors="pt"
+            _hf_tokenizer(rows, data), mlm=True, mlm_probability=rate, return_tensors="pt"
         )
         self.autocast = dtype_name == "bf16"
         self.forward = torch.compile(self.model) if compiled else self.model
@@ -351,10 +370,35 @@ class HFSide:
 
 
 def _hf_dims(preset: str) -> dict:
-    from clozax.core.model_config import PRESETS
+    from clozax.core.model_config import PRESETS, ModelConfig
 
-    p = PRESETS[preset]
-    return {k: p[k] for k in ("hidden", "layers", "heads", "intermediate")}
+    p = {**{f: getattr(ModelConfig, f) for f in ("mlp", "global_every", "local_window")},
+         **PRESETS[preset]}
+    return {k: p[k] for k in ("hidden", "layers", "heads", "intermediate", "mlp",
+                              "global_every", "local_window")}
+
+
+def _hf_model(shape: dict, pad: int):
+    """(model, mask rate): BertForMaskedLM, or ModernBertForMaskedLM for a modern preset."""
+    from transformers import BertConfig, BertForMaskedLM, ModernBertConfig, ModernBertForMaskedLM
+
+    from clozax.train.config import PRESET_MASKING
+
+    h = _hf_dims(shape["preset"])
+    rate = PRESET_MASKING.get(shape["preset"], {}).get("rate", 0.15)
+    if h["mlp"] != "geglu":
+        return BertForMaskedLM(BertConfig(
+            vocab_size=shape["vocab"], hidden_size=h["hidden"], num_hidden_layers=h["layers"],
+            num_attention_heads=h["heads"], intermediate_size=h["intermediate"],
+            max_position_embeddings=512, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, hidden_act="gelu", pad_token_id=pad)), rate
+    return ModernBertForMaskedLM(ModernBertConfig(
+        vocab_size=shape["vocab"], hidden_size=h["hidden"], num_hidden_layers=h["layers"],
+        num_attention_heads=h["heads"], intermediate_size=h["intermediate"],
+        max_position_embeddings=max(shape["seq"], 512), global_attn_every_n_layers=
+        h["global_every"], local_attention=h["local_window"], pad_token_id=pad,
+        bos_token_id=SPECIALS["cls"], cls_token_id=SPECIALS["cls"], eos_token_id=SPECIALS["sep"],
+        sep_token_id=SPECIALS["sep"])), rate
 
 
 def _hf_tokenizer(rows: Rows, data: Path | None):
@@ -450,10 +494,13 @@ def compare(dtype_name: str, args, rows: Rows, device: str) -> dict:
                            "data_s": data[name]}
 
     h = _hf_dims(shape["preset"])
+    glu = h["mlp"] == "geglu"
+    keys = layer_keys(shape["seq"], h["layers"], h["global_every"], h["local_window"])
     useful = useful_flops_per_step(h["hidden"], h["layers"], h["intermediate"], shape["vocab"],
-                                   shape["seq"], shape["batch"], cz.count)
+                                   shape["seq"], shape["batch"], cz.count, glu, keys)
+    # HF's SDPA scores every key on every layer (its sliding window is a mask): all seq keys.
     dense = executed_flops_per_step(h["hidden"], h["layers"], h["intermediate"], shape["vocab"],
-                                    shape["seq"], shape["batch"])
+                                    shape["seq"], shape["batch"], glu)
     cz_med, hf_med = statistics.median(cz_tps), statistics.median(hf_tps)
     steps_per_s_cz, steps_per_s_hf = cz_med / tokens_per_step, hf_med / tokens_per_step
     peak_med = statistics.median(peaks)
@@ -490,6 +537,7 @@ def compare(dtype_name: str, args, rows: Rows, device: str) -> dict:
         "batch": shape["batch"],
         "hf_optimizer": hf.opt_kind,
         "hf_attention": hf.attn_impl,
+        "hf_model": type(hf.model).__name__,
         "hf_compiled": hf.compiled,
         "hf_candidates": hf_rates,
         "seq": shape["seq"],
@@ -637,8 +685,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--batch must be >= 1")
         SHAPES[args.shape] = {**SHAPES[args.shape], "batch": args.batch}
     if args.seq is not None:
-        if not 8 <= args.seq <= 512:
-            parser.error("--seq must lie in [8, 512] (the presets' max_positions)")
+        from clozax.core.model_config import PRESETS
+
+        top = PRESETS[SHAPES[args.shape]["preset"]]["max_positions"]
+        if not 8 <= args.seq <= top:
+            parser.error(f"--seq must lie in [8, {top}] (the preset's max_positions)")
         SHAPES[args.shape] = {**SHAPES[args.shape], "seq": args.seq}
     if min(args.steps_per_block, args.blocks, args.warmup) < 1:
         parser.error("--steps-per-block, --blocks and --warmup must be >= 1")
@@ -681,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         if not args.json:
             if d == dtypes[0]:
-                print(f"HF: BertForMaskedLM, attention {r['hf_attention']}, {r['hf_optimizer']},"
+                print(f"HF: {r['hf_model']}, attention {r['hf_attention']}, {r['hf_optimizer']},"
                       f" DataCollatorForLanguageModeling, transformers "
                       f"{__import__('transformers').__version__}")
             print_result(r)

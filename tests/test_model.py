@@ -266,7 +266,8 @@ def test_invalid_config_raises_value_error_naming_the_value(overrides, fragment)
 
 
 def test_unknown_preset_or_key_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown model preset 'huge'.*'base', 'small', 'tiny'"):
+    with pytest.raises(ValueError, match=r"unknown model preset 'huge'.*'base', 'modern-base', "
+                       r"'modern-small', 'modern-tiny', 'small', 'tiny'"):
         model_config.preset("huge")
     with pytest.raises(ValueError, match=r"unknown model config key\(s\) \['hiden'\]"):
         model_config.preset("tiny", hiden=64)

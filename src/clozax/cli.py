@@ -83,7 +83,8 @@ def prepare(
         help="Train the tokenizer on this many train documents (a keyed sample).")] = None,
     lowercase: Annotated[bool, typer.Option(help="Lowercase text in the tokenizer.")] = True,
     seq_len: Annotated[int, typer.Option(
-        help="Tokens per packed row, 8..8192 (train needs model.max_positions >= it).")] = 128,
+        help="Tokens per packed row (8..8192; at most the model's max_positions: 512 for the "
+             "BERT presets, 1024 for modern-small).")] = 128,
     strict: Annotated[
         bool, typer.Option(help="Stop at the first unreadable, binary or malformed input "
                            "instead of skipping it.")
@@ -112,7 +113,8 @@ def train(
         typer.Option(help="Time budget: fixes train.steps once from measured throughput."),
     ] = None,
     preset: Annotated[
-        str | None, typer.Option(help="Model shape preset: tiny, small (default), base.")
+        str | None, typer.Option(help="Model preset: tiny, small (default), base; modern-tiny, "
+                                 "modern-small, modern-base (ModernBERT's architecture).")
     ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
     set_: Annotated[
@@ -207,7 +209,8 @@ def import_hf(
                                            "(safetensors only).")],
     out: Annotated[Path, typer.Argument(help="New clozax run directory.")],
 ):
-    """Import a BertForMaskedLM / RobertaPreLayerNormForMaskedLM (or bare encoder) as a run."""
+    """Import a BertForMaskedLM / RobertaPreLayerNormForMaskedLM / ModernBertForMaskedLM (or
+    bare encoder) as a run."""
     from clozax import interop
 
     interop.import_hf(hf_dir, out)

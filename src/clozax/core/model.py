@@ -15,6 +15,10 @@ Architecture: token embeddings + learned absolute positions (0..seq-1) -> embedd
 ``jax.lax.scan`` over stacked parameters. ``layer_norm="post"`` is original BERT
 (``x = LN(x + attn(x)); x = LN(x + mlp(x))``); ``layer_norm="pre"`` is RoBERTa-PreLayerNorm
 (``x = x + attn(LN(x)); x = x + mlp(LN(x))``, then a final LayerNorm after the last block).
+Options (``ModelConfig``; the ``modern-*`` presets set ModernBERT's): RoPE instead of the
+position table (``clozax.core.positions``), a GeGLU MLP (``clozax.core.layers``), no biases,
+no embedding or final norm, no attention norm in layer 0, and sliding-window attention on the
+layers that are not global (``clozax.core.pattern``).
 
 Parameters are nested dicts (see ``init``); per-block leaves are stacked on a leading
 ``layers`` axis and kernels are stored ``(in, out)``. ``clozax.interop.families`` maps
@@ -39,7 +43,8 @@ import jax
 import jax.numpy as jnp
 
 from clozax.core import attention as attention_lib
-from clozax.core import kernels
+from clozax.core import kernels, layers, pattern
+from clozax.core import positions as positions_lib
 from clozax.core.model_config import ModelConfig
 
 Params = dict[str, Any]
@@ -66,21 +71,26 @@ def init(config: ModelConfig, key: jax.Array) -> Params:
 
     def dense(name, fan_in, fan_out, stacked):
         lead = (L,) if stacked else ()
-        return {
-            "kernel": normal(name, (*lead, fan_in, fan_out)),
-            "bias": jnp.zeros((*lead, fan_out), jnp.float32),
-        }
+        p = {"kernel": normal(name, (*lead, fan_in, fan_out))}
+        if c.bias:
+            p["bias"] = jnp.zeros((*lead, fan_out), jnp.float32)
+        return p
 
     def norm(stacked):
         shape = (L, H) if stacked else (H,)
-        return {"scale": jnp.ones(shape, jnp.float32), "bias": jnp.zeros(shape, jnp.float32)}
+        p = {"scale": jnp.ones(shape, jnp.float32)}
+        if c.bias:
+            p["bias"] = jnp.zeros(shape, jnp.float32)
+        return p
 
+    inter = 2 * I if c.mlp == "geglu" else I  # GeGLU: input half, then gate half
+    embeddings = {"word": normal("word", (V, H))}
+    if c.positions == "learned":
+        embeddings["position"] = normal("position", (c.max_positions, H))
+    if c.embedding_norm:
+        embeddings["layer_norm"] = norm(stacked=False)
     params = {
-        "embeddings": {
-            "word": normal("word", (V, H)),
-            "position": normal("position", (c.max_positions, H)),
-            "layer_norm": norm(stacked=False),
-        },
+        "embeddings": embeddings,
         "layers": {
             "attention": {
                 "query": dense("query", H, H, stacked=True),
@@ -88,18 +98,20 @@ def init(config: ModelConfig, key: jax.Array) -> Params:
                 "value": dense("value", H, H, stacked=True),
                 "output": dense("attn_out", H, H, stacked=True),
             },
+            # With first_attention_norm=false, layer 0's row is unused (zero gradient) and
+            # keeps its init; exports leave it out.
             "attention_norm": norm(stacked=True),
-            "intermediate": dense("inter", H, I, stacked=True),
+            "intermediate": dense("inter", H, inter, stacked=True),
             "output": dense("out", I, H, stacked=True),
             "mlp_norm": norm(stacked=True),
         },
         "head": {
             "transform": dense("head", H, H, stacked=False),
             "layer_norm": norm(stacked=False),
-            "bias": jnp.zeros((V,), jnp.float32),
+            "bias": jnp.zeros((V,), jnp.float32),  # the decoder's bias, kept without biases
         },
     }
-    if c.layer_norm == "pre":
+    if c.layer_norm == "pre" and c.final_norm:
         params["final_norm"] = norm(stacked=False)
     return params
 
@@ -107,37 +119,16 @@ def init(config: ModelConfig, key: jax.Array) -> Params:
 # ----------------------------------------------------------------------------- pieces
 
 
-def _layer_norm(x, p, eps):
-    """LayerNorm with float32 statistics; returns float32."""
-    x = x.astype(jnp.float32)
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
-
-
-def _dense(x, p, dtype):
-    """``x @ kernel + bias`` with matmul operands in the compute dtype.
-
-    On CPU the result is float32 (``kernels.matmul``: YNNPACK takes bf16 only as
-    bf16 x bf16 -> f32, and its gradients are laid out for XLA:CPU); elsewhere it is the
-    compute dtype, from ``jnp.dot``.
-    """
-    if kernels.on_cpu():
-        return kernels.matmul(x.astype(jnp.float32), p["kernel"], dtype) + p["bias"]
-    return jnp.dot(x.astype(dtype), p["kernel"].astype(dtype)) + p["bias"].astype(dtype)
-
-
-def _gelu(x):
-    # Exact erf GELU (HF "gelu"), evaluated and returned in float32; the next matmul casts.
-    return jax.nn.gelu(x.astype(jnp.float32), approximate=False)
-
-
-def _block(x, p, mask, lengths, config: ModelConfig, rows=None):
+def _block(x, p, shared, lengths, config: ModelConfig, rows=None):
     """One residual block. x: (batch, seq, hidden) float32 residual stream.
+
+    ``shared`` holds what every block reads (``pattern.shared``): the attention ``mask`` (and
+    the sliding window's ``local_mask``), and the RoPE tables. Per-layer flags in ``p`` choose
+    between them (``pattern.fused_layers``).
 
     With ``rows`` (batch, count) int, only those query positions are computed: keys and values
     still come from every position, and the block returns (batch, count, hidden), equal to
-    the full block's output gathered at ``rows``. ``mask`` must then already be the rows'
+    the full block's output gathered at ``rows``. The masks must then already be the rows'
     (``attention.rows_mask``). The last block of ``apply(..., positions=)`` runs this way.
     """
     c = config
@@ -145,29 +136,52 @@ def _block(x, p, mask, lengths, config: ModelConfig, rows=None):
     batch, seq, hidden = x.shape
 
     # Attention, one fused QKV matmul (or Q at the rows and KV everywhere).
-    h = _layer_norm(x, p["attention_norm"], eps) if pre else x
+    h = layers.layer_norm(x, p["attention_norm"], eps) if pre else x
+    if "attention_norm_on" in p:  # first_attention_norm=false: layer 0 sees x itself
+        h = jnp.where(p["attention_norm_on"], h, x)
     if rows is None:
-        qkv = _dense(h, p["qkv"], dtype).reshape(batch, seq, 3, c.heads, c.head_dim)
+        qkv = layers.dense(h, p["qkv"], dtype).reshape(batch, seq, 3, c.heads, c.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (batch, seq, heads, head_dim)
     else:
         q_part = {n: a[..., :hidden] for n, a in p["qkv"].items()}
         kv_part = {n: a[..., hidden:] for n, a in p["qkv"].items()}
-        kv = _dense(h, kv_part, dtype).reshape(batch, seq, 2, c.heads, c.head_dim)
+        kv = layers.dense(h, kv_part, dtype).reshape(batch, seq, 2, c.heads, c.head_dim)
         k, v = kv[:, :, 0], kv[:, :, 1]  # (batch, seq, heads, head_dim)
         x, h = gather(x, rows), gather(h, rows)  # (batch, count, hidden)
-        q = _dense(h, q_part, dtype).reshape(batch, -1, c.heads, c.head_dim)
-    ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, heads, hd)
-    attn = _dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
+        q = layers.dense(h, q_part, dtype).reshape(batch, -1, c.heads, c.head_dim)
+    mask = shared["mask"]
+    if "is_global" in p:
+        mask = jnp.where(p["is_global"], mask, shared["local_mask"])
+    if c.positions == "rope":
+        cos, sin = shared["rope_global"]  # (batch, seq, head_dim) each
+        if "is_global" in p:
+            cos, sin = (jnp.where(p["is_global"], g, loc)
+                        for g, loc in zip(shared["rope_global"], shared["rope_local"],
+                                          strict=True))
+        k = positions_lib.rotate(k, cos, sin)
+        if rows is not None:
+            cos, sin = gather(cos, rows), gather(sin, rows)  # (batch, count, head_dim)
+        q = positions_lib.rotate(q, cos, sin)
+    if rows is None and "is_global" in p and pattern.blocked_local(c, seq):
+        ctx = jax.lax.cond(  # one compiled block for both kinds; only the layer's runs
+            p["is_global"],
+            lambda: attention_lib.attend(q, k, v, shared["mask"], c.attention, lengths,
+                                         dtype).astype(jnp.float32),
+            lambda: attention_lib.blocked_local_attend(q, k, v, shared["key_real"],
+                                                       shared["segments"], c.local_window // 2,
+                                                       dtype))
+    else:
+        ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, n, hd)
+    attn = layers.dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
     x = x + attn.astype(jnp.float32)
     if not pre:
-        x = _layer_norm(x, p["attention_norm"], eps)
+        x = layers.layer_norm(x, p["attention_norm"], eps)
 
     # MLP.
-    h = _layer_norm(x, p["mlp_norm"], eps) if pre else x
-    h = _gelu(_dense(h, p["intermediate"], dtype))  # (batch, seq or count, intermediate)
-    x = x + _dense(h, p["output"], dtype).astype(jnp.float32)
+    h = layers.layer_norm(x, p["mlp_norm"], eps) if pre else x
+    x = x + layers.mlp(h, p["intermediate"], p["output"], c.mlp, dtype)
     if not pre:
-        x = _layer_norm(x, p["mlp_norm"], eps)
+        x = layers.layer_norm(x, p["mlp_norm"], eps)
     return x
 
 
@@ -178,23 +192,6 @@ def _remat(block, policy: str):
     saveable = {"block": jax.checkpoint_policies.nothing_saveable,
                 "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
     return jax.checkpoint(block, policy=saveable, static_argnums=(4,))
-
-
-def _fused_layers(layers: Params) -> Params:
-    """Stacked per-layer parameters for the scan, with query/key/value fused along ``out``."""
-    att = layers["attention"]
-    qkv = {
-        part: jnp.concatenate([att[n][part] for n in ("query", "key", "value")], axis=-1)
-        for part in ("kernel", "bias")
-    }  # kernel (layers, hidden, 3 * hidden), bias (layers, 3 * hidden)
-    return {
-        "qkv": qkv,
-        "attention_output": att["output"],
-        "attention_norm": layers["attention_norm"],
-        "intermediate": layers["intermediate"],
-        "output": layers["output"],
-        "mlp_norm": layers["mlp_norm"],
-    }
 
 
 def _check_inputs(config: ModelConfig, inputs, attention_mask, segments):
@@ -279,23 +276,26 @@ def apply(
     c = config
     seq = inputs.shape[1]
     attention_mask = attention_mask.astype(jnp.bool_)
-    mask = attention_lib.visible(attention_mask, segments, c.attention_within_segments)
+    shared = pattern.shared(c, attention_mask, segments)
     lengths = (jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # (batch,)
                if c.attention == "cudnn" else None)
 
     emb = params["embeddings"]
-    x = emb["word"][inputs] + emb["position"][None, :seq]  # (batch, seq, hidden) float32
-    x = _layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
+    x = emb["word"][inputs]  # (batch, seq, hidden) float32
+    if c.positions == "learned":
+        x = x + emb["position"][None, :seq]
+    if c.embedding_norm:
+        x = layers.layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
 
     block = _remat(_block, c.remat)
     unroll = (True if c.unroll is None else c.unroll) if unroll is None else unroll
 
     def step(x, p):
-        return block(x, p, mask, lengths, c), None
+        return block(x, p, shared, lengths, c), None
 
-    layers = _fused_layers(params["layers"])
+    stacked = pattern.fused_layers(params["layers"], c)
     if positions is None:
-        x, _ = jax.lax.scan(step, x, layers, unroll=unroll)
+        x, _ = jax.lax.scan(step, x, stacked, unroll=unroll)
     else:
         positions = jnp.asarray(positions)
         if positions.ndim != 2 or positions.shape[0] != inputs.shape[0]:
@@ -304,15 +304,17 @@ def apply(
                 f"for inputs of shape {inputs.shape}"
             )
         if c.layers > 1:
-            first = jax.tree_util.tree_map(lambda a: a[:-1], layers)
+            first = jax.tree_util.tree_map(lambda a: a[:-1], stacked)
             x, _ = jax.lax.scan(step, x, first, unroll=unroll)
-        last = jax.tree_util.tree_map(lambda a: a[-1], layers)
+        last = jax.tree_util.tree_map(lambda a: a[-1], stacked)
         count = positions.shape[1]
         multiple = query_multiple or (CUDNN_QUERY_MULTIPLE if c.attention == "cudnn" else 1)
         rows = jnp.pad(positions, ((0, 0), (0, -count % multiple)))  # padded slots: position 0
-        x = block(x, last, attention_lib.rows_mask(mask, rows), lengths, c, rows)[:, :count]
-    if c.layer_norm == "pre":
-        x = _layer_norm(x, params["final_norm"], c.layer_norm_eps)
+        at_rows = {name: attention_lib.rows_mask(m, rows) if name.endswith("mask") else m
+                   for name, m in shared.items()}
+        x = block(x, last, at_rows, lengths, c, rows)[:, :count]
+    if c.layer_norm == "pre" and c.final_norm:
+        x = layers.layer_norm(x, params["final_norm"], c.layer_norm_eps)
     return x
 
 
@@ -335,8 +337,8 @@ def mlm_logits(params: Params, config: ModelConfig, hidden_sel: jax.Array) -> ja
     hidden_sel: (batch, count, hidden). Returns (batch, count, vocab) float32.
     """
     head, dtype = params["head"], config.dtype
-    h = _gelu(_dense(hidden_sel, head["transform"], dtype))
-    h = _layer_norm(h, head["layer_norm"], config.layer_norm_eps)  # (batch, count, hidden)
+    h = layers.gelu(layers.dense(hidden_sel, head["transform"], dtype))
+    h = layers.layer_norm(h, head["layer_norm"], config.layer_norm_eps)  # (batch, count, hidden)
     word = params["embeddings"]["word"]  # (vocab, hidden), contracted on hidden (no transpose)
     decode = kernels.decode if kernels.on_cpu() else kernels.plain_decode
     return decode(h, word, dtype) + head["bias"]  # (batch, count, vocab) float32

@@ -11,8 +11,10 @@ from dataclasses import dataclass, fields
 import jax.numpy as jnp
 
 from clozax.core import attention as attention_lib
+from clozax.core.layers import MLPS
 
 LAYER_NORMS = ("pre", "post")
+POSITIONS = ("learned", "rope")
 REMAT_POLICIES = ("none", "block", "dots")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -41,6 +43,18 @@ class ModelConfig:
     remat: str = "none"
     layer_norm_eps: float = 1e-12
     init_std: float = 0.02
+    # Architecture options (ModernBERT's choices in the ``modern-*`` presets); the defaults are
+    # BERT's, and keep the model what it was before these options existed.
+    positions: str = "learned"  # "learned" absolute rows, or "rope" (``clozax.core.positions``)
+    rope_theta_global: float = 160_000.0  # RoPE base on global-attention layers
+    rope_theta_local: float = 10_000.0  # RoPE base on local (sliding-window) layers
+    mlp: str = "gelu"  # "gelu" (dense, GELU, dense) or "geglu" (``clozax.core.layers.mlp``)
+    bias: bool = True  # biases in every dense layer and LayerNorm (the decoder's always)
+    embedding_norm: bool = True  # a LayerNorm after the embeddings
+    final_norm: bool = True  # pre-LN only: a LayerNorm after the last block
+    first_attention_norm: bool = True  # pre-LN only: false = layer 0 attends to its raw input
+    global_every: int = 1  # layer i attends globally when i % global_every == 0, else locally
+    local_window: int = 128  # local layers see keys within local_window // 2 of the query
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "layers", "heads", "intermediate", "max_positions"):
@@ -91,7 +105,8 @@ class ModelConfig:
                 f"model.attention_within_segments={self.attention_within_segments!r} is not a "
                 "bool; use true or false"
             )
-        for name in ("layer_norm_eps", "init_std"):
+        self._check_architecture()
+        for name in ("layer_norm_eps", "init_std", "rope_theta_global", "rope_theta_local"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -104,6 +119,42 @@ class ModelConfig:
                     f"use e.g. {getattr(ModelConfig, name)}"
                 )
 
+    def _check_architecture(self):
+        for name, choices in (("positions", POSITIONS), ("mlp", MLPS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {choices}")
+        for name in ("bias", "embedding_norm", "final_norm", "first_attention_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is not a bool; use true "
+                                 "or false")
+            if self.layer_norm == "post" and name in ("final_norm", "first_attention_norm") \
+                    and not getattr(self, name):
+                raise ValueError(f"model.{name}=false applies only to pre-LN blocks; set "
+                                 "model.layer_norm='pre' or leave it true")
+        for name in ("global_every", "local_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"model.{name}={value!r} is not a positive integer; give a "
+                                 "whole number >= 1")
+        if self.local_window % 2:
+            raise ValueError(f"model.local_window={self.local_window} is odd; give an even "
+                             "window (keys within local_window // 2 on each side, as in HF)")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"model.positions='rope' needs an even head dim, not "
+                             f"{self.head_dim}; choose heads so that hidden / heads is even")
+        if self.attention == "cudnn" and self.has_local_layers:
+            raise ValueError("model.attention='cudnn' has no bidirectional sliding window; set "
+                             "model.global_every=1 or use model.attention='xla'")
+
+    @property
+    def has_local_layers(self) -> bool:
+        """Whether some layer attends through the sliding window."""
+        return self.global_every > 1 and self.layers > 1
+
+    def is_global(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) attends to every position (ModernBERT's rule)."""
+        return layer % self.global_every == 0
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
@@ -114,12 +165,29 @@ class ModelConfig:
         return jnp.dtype(self.compute_dtype)
 
 
-# Only the shape fields; numerics and options keep their defaults unless overridden.
+# BERT-style presets set only the shape fields; numerics and options keep their defaults.
 PRESETS: dict[str, dict] = {
     "tiny": {"hidden": 32, "layers": 2, "heads": 2, "intermediate": 64, "max_positions": 128},
     "small": {"hidden": 256, "layers": 4, "heads": 4, "intermediate": 1024, "max_positions": 512},
     "base": {"hidden": 768, "layers": 12, "heads": 12, "intermediate": 3072, "max_positions": 512},
 }
+# ModernBERT's architecture (Warner et al. 2024; HF ``ModernBertConfig`` defaults): RoPE with
+# theta 160k on global and 10k on local layers, GeGLU, no biases but the decoder's, pre-LN with
+# an embedding norm, a final norm and no attention norm in layer 0, global attention every third
+# layer and a 128-token (+-64) window on the others, documents attending only to themselves.
+MODERN = {"positions": "rope", "mlp": "geglu", "bias": False, "layer_norm": "pre",
+          "embedding_norm": True, "final_norm": True, "first_attention_norm": False,
+          "global_every": 3, "local_window": 128, "layer_norm_eps": 1e-5,
+          "attention_within_segments": True}
+PRESETS.update({
+    "modern-tiny": {**MODERN, "hidden": 32, "layers": 3, "heads": 2, "intermediate": 48,
+                    "max_positions": 128, "local_window": 16},
+    "modern-small": {**MODERN, "hidden": 256, "layers": 6, "heads": 4, "intermediate": 384,
+                     "max_positions": 1024},
+    # ModernBERT-base's shape: 22 layers x 768, 12 heads, GeGLU intermediate 1152, 8192 rows.
+    "modern-base": {**MODERN, "hidden": 768, "layers": 22, "heads": 12, "intermediate": 1152,
+                    "max_positions": 8192},
+})
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# A sanity bound on row length, not the model's: `clozax train` refuses a dataset whose rows
-# exceed model.max_positions (512 in the presets, configurable), so longer rows serve models
-# configured for them. Best fit scans O(seq_len) free-space buckets per piece.
+# A sanity bound on row length (the longest preset, modern-base, takes 8192): `clozax train`
+# refuses a dataset whose rows exceed model.max_positions. Best fit scans O(seq_len) free-space
+# buckets per piece.
 MAX_SEQ_LEN = 8192
 MIN_SEQ_LEN = 8
 # Open rows kept for best fit. Larger packs a little tighter and costs only memory.

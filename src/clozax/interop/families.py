@@ -7,17 +7,24 @@ from pathlib import Path
 
 from clozax.interop.bert import BERT
 from clozax.interop.family import Family
+from clozax.interop.modernbert import MODERNBERT, ModernBertFamily
 from clozax.interop.roberta_prelayernorm import ROBERTA_PRELAYERNORM
 
-FAMILIES: tuple[Family, ...] = (BERT, ROBERTA_PRELAYERNORM)
+FAMILIES: tuple[Family | ModernBertFamily, ...] = (BERT, ROBERTA_PRELAYERNORM, MODERNBERT)
 
 
-def for_model(model_config) -> Family:
-    """The family a run's architecture exports as."""
-    return next(f for f in FAMILIES if f.layer_norm == model_config.layer_norm)
+def for_model(model_config) -> Family | ModernBertFamily:
+    """The family a run's architecture exports as; ``ValueError`` when none represents it."""
+    for family in FAMILIES:
+        if family.represents(model_config):
+            return family
+    raise ValueError("no transformers family represents this architecture exactly; export "
+                     "needs BERT's options (learned positions, gelu MLP, biases, every norm, "
+                     "global attention) or ModernBERT's (the modern-* presets' positions, mlp, "
+                     "layer_norm and norms)")
 
 
-def for_hf_config(cfg: dict, hf_dir: Path) -> tuple[Family, str]:
+def for_hf_config(cfg: dict, hf_dir: Path) -> tuple[Family | ModernBertFamily, str]:
     """(family, architecture name) of a ``config.json``, after refusing what clozax cannot
     represent."""
     supported = {name: f for f in FAMILIES for name in (f.mlm, f.encoder)}

@@ -44,6 +44,14 @@ class Family:
     specials: dict  # special name -> this family's token string
     positions_after_pad: bool  # HF position rows start at pad_id + 1 (RoBERTa)
 
+    def represents(self, model_config) -> bool:
+        """Whether a run with ``model_config`` exports as this family exactly: BERT's layout
+        with this family's LayerNorm placement and none of the modern options."""
+        c = model_config
+        return (c.layer_norm == self.layer_norm and c.positions == "learned" and c.mlp == "gelu"
+                and c.bias and c.embedding_norm and c.final_norm and c.first_attention_norm
+                and not c.has_local_layers)
+
     def position_offset(self, pad_id: int) -> int:
         """HF position row of clozax position 0."""
         return pad_id + 1 if self.positions_after_pad else 0

@@ -99,9 +99,9 @@ def _find_specials(tok, hf_dir: Path) -> dict[str, int]:
 
 
 def import_hf(hf_dir: Path, out_run: Path) -> Path:
-    """Import a local HF ``BertForMaskedLM`` / ``RobertaPreLayerNormForMaskedLM`` (or their
-    bare encoders) into a new clozax run directory ``out_run`` with a step-0 checkpoint.
-    Returns ``out_run``."""
+    """Import a local HF ``BertForMaskedLM`` / ``RobertaPreLayerNormForMaskedLM`` /
+    ``ModernBertForMaskedLM`` (or their bare encoders) into a new clozax run directory
+    ``out_run`` with a step-0 checkpoint. Returns ``out_run``."""
     hf_dir, out_run = Path(hf_dir), Path(out_run)
     if not hf_dir.is_dir():
         raise ValueError(f"{hf_dir} is not a directory; pass a local save_pretrained directory")

@@ -56,6 +56,12 @@ def check_bool(key: str, value) -> None:
         raise ValueError(f"{key}={value!r} is not a bool; use true or false")
 
 
+# Masking settings a model preset brings with it (ModernBERT masks 30 %), applied where the
+# preset is (``resolve``); the file and ``--set`` still override them.
+PRESET_MASKING: dict[str, dict] = {name: {"rate": 0.3} for name in PRESETS
+                                   if name.startswith("modern-")}
+
+
 @dataclass(frozen=True)
 class MaskingConfig:
     rate: float = 0.15
@@ -259,6 +265,7 @@ def resolve(
         data["model"].update(dataclasses.asdict(run_model))
     if run_model is None or preset is not None:
         data["model"].update(_preset_fields(preset or "small"))
+        data["masking"].update(PRESET_MASKING.get(preset or "small", {}))
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
@@ -277,6 +284,10 @@ def resolve(
                 raise ValueError(f"[{name}] in {path} must be a table")
             values = dict(values)
             if name == "model" and "preset" in values:
+                in_file = loaded.get("masking") if isinstance(loaded.get("masking"), dict) else {}
+                data["masking"].update({k: v for k, v in PRESET_MASKING.get(values["preset"],
+                                                                             {}).items()
+                                        if k not in in_file})  # the file's own masking wins
                 data["model"].update(_preset_fields(values.pop("preset")))
             data[name].update(values)
     for item in overrides:

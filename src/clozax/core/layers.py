@@ -1,0 +1,61 @@
+"""The encoder's per-token pieces: LayerNorm, dense layers, exact-erf GELU and the two MLP
+variants (``model.mlp``: ``"gelu"``, BERT's ``dense -> GELU -> dense``; ``"geglu"``,
+ModernBERT's ``dense -> GELU(input half) * gate half -> dense``).
+
+A parameter dict without a ``"bias"`` leaf (``model.bias=false``) is a bias-free layer.
+Dtypes as in ``clozax.core.model``: LayerNorm statistics and GELU in float32, matmul operands
+in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from clozax.core import kernels
+
+MLPS = ("gelu", "geglu")
+
+
+def layer_norm(x, p, eps):
+    """LayerNorm with float32 statistics; returns float32. No shift when ``p`` has no bias."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"]
+    return y + p["bias"] if "bias" in p else y
+
+
+def dense(x, p, dtype):
+    """``x @ kernel (+ bias)`` with matmul operands in the compute dtype.
+
+    On CPU the result is float32 (``kernels.matmul``: YNNPACK takes bf16 only as
+    bf16 x bf16 -> f32, and its gradients are laid out for XLA:CPU); elsewhere it is the
+    compute dtype, from ``jnp.dot``.
+    """
+    if kernels.on_cpu():
+        y = kernels.matmul(x.astype(jnp.float32), p["kernel"], dtype)
+        return y + p["bias"] if "bias" in p else y
+    y = jnp.dot(x.astype(dtype), p["kernel"].astype(dtype))
+    return y + p["bias"].astype(dtype) if "bias" in p else y
+
+
+def gelu(x):
+    # Exact erf GELU (HF "gelu"), evaluated and returned in float32; the next matmul casts.
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=False)
+
+
+def mlp(h, intermediate, output, kind: str, dtype):
+    """The block's MLP on normed inputs h (..., hidden); returns (..., hidden) float32.
+
+    ``"gelu"``: ``intermediate`` kernel (hidden, inter). ``"geglu"``: kernel (hidden,
+    2 * inter), the input half first and the gate half second (HF ModernBERT's ``mlp.Wi``,
+    split with ``chunk(2)``), and ``GELU(input) * gate`` goes to ``output``.
+    """
+    u = dense(h, intermediate, dtype)  # (..., inter) or (..., 2 * inter)
+    if kind == "geglu":
+        inner = u.shape[-1] // 2
+        u = gelu(u[..., :inner]) * u[..., inner:].astype(jnp.float32)  # (..., inter)
+    else:
+        u = gelu(u)
+    return dense(u, output, dtype).astype(jnp.float32)
