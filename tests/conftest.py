@@ -56,3 +56,15 @@ def tiny_run_copy(tiny_run, tmp_path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(tiny_run, dst)
     return dst
+
+
+def perturb_torch(model, seed: int):
+    """Move a torch model's parameters off their init (N(0, 0.2) noise), so parity tests
+    compare weights that are not symmetric or zero."""
+    import torch  # only the interop tests need it
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return model

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import perturb_torch
+
 torch = pytest.importorskip("torch", reason="interop tests need torch (the 'bench' extra)")
 transformers = pytest.importorskip(
     "transformers", reason="interop tests need transformers (the 'bench' extra)")
@@ -72,14 +74,6 @@ def dataset(tiny_data):
     return open_dataset(tiny_data)
 
 
-def _perturb_torch(model, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=gen))
-    return model
-
-
 def _hf_model(layer_norm: str, vocab: int, pad: int, with_head: bool = True):
     kw = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
               intermediate_size=64, pad_token_id=pad, hidden_act="gelu")
@@ -91,7 +85,7 @@ def _hf_model(layer_norm: str, vocab: int, pad: int, with_head: bool = True):
             max_position_embeddings=MAX_POSITIONS + pad + 1, **kw)
         cls = (transformers.RobertaPreLayerNormForMaskedLM if with_head
                else transformers.RobertaPreLayerNormModel)
-    return _perturb_torch(cls(config), seed=1 + LAYER_NORMS.index(layer_norm))
+    return perturb_torch(cls(config), seed=1 + LAYER_NORMS.index(layer_norm))
 
 
 def _save_hf(model, dest: Path, tokenizer: Path) -> Path:

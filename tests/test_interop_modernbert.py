@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import perturb_torch
+
 torch = pytest.importorskip("torch", reason="interop tests need torch (the 'bench' extra)")
 transformers = pytest.importorskip(
     "transformers", reason="interop tests need transformers (the 'bench' extra)")
@@ -61,14 +63,6 @@ VOCAB = 5 + len(WORDS)
 SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
 
-def _perturb_torch(model, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=gen))
-    return model
-
-
 def _hf_config(**overrides):
     kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
               intermediate_size=48, max_position_embeddings=1024, pad_token_id=0,
@@ -82,7 +76,7 @@ def hf_dirs(tokenizer, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for i, (name, (_, overrides)) in enumerate(CASES.items()):
-        model = _perturb_torch(transformers.ModernBertForMaskedLM(_hf_config(**overrides)), i)
+        model = perturb_torch(transformers.ModernBertForMaskedLM(_hf_config(**overrides)), i)
         model.save_pretrained(root / name, safe_serialization=True)
         shutil.copyfile(tokenizer, root / name / "tokenizer.json")
         out[name] = root / name
