@@ -32,7 +32,8 @@ SHAPE_FILES = 20  # long-document, line and run corpora: this many files, so bot
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     """Write a JSONL corpus of about ``megabytes`` MB; returns the document count."""
-    from clozax.data.readers import RawDocument, read_stdlib
+    from clozax.data.readers import RawDocument
+    from clozax.data.stdlib import read_stdlib
 
     pool = [r.text for r in read_stdlib() if isinstance(r, RawDocument)]
     rng = random.Random(seed)
@@ -51,7 +52,8 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
 
 def generate_shape(path: Path, shape: str, megabytes: float, seed: int = 0) -> Path:
     """``megabytes`` of docstring text in one adversarial shape; returns the corpus path."""
-    from clozax.data.readers import RawDocument, read_stdlib
+    from clozax.data.readers import RawDocument
+    from clozax.data.stdlib import read_stdlib
 
     pool = [r.text for r in read_stdlib() if isinstance(r, RawDocument)]
     rng = random.Random(seed)

@@ -10,8 +10,10 @@ import pytest
 
 from clozax.data import open_dataset, prepare, readers
 from clozax.data.corpus import Accounting, clean, normalise
-from clozax.data.readers import FieldNames, RawDocument, Skip, read_corpus, read_stdlib
+from clozax.data.pieces import read_corpus
+from clozax.data.readers import FieldNames, RawDocument, Skip
 from clozax.data.split import HELDOUT, TRAIN, assign_split, group_key
+from clozax.data.stdlib import read_stdlib
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
 

@@ -14,7 +14,8 @@ import zstandard
 
 from clozax.data import prepare
 from clozax.data.corpus import MAX_RUN_CHARS, Accounting, clean, normalise
-from clozax.data.readers import FieldNames, Layout, RawDocument, Skip, read_corpus
+from clozax.data.pieces import Piece, plan, read_corpus, read_piece
+from clozax.data.readers import FieldNames, Layout, RawDocument, Skip
 from clozax.data.sources import MAX_DOCUMENT_CHARS, SEPARATORS, units
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
@@ -119,6 +120,30 @@ def test_a_document_longer_than_the_cap_becomes_parts_of_one_group(tmp_path):
         [MAX_DOCUMENT_CHARS, 5]
 
 
+def test_a_large_file_read_in_pieces_gives_the_records_of_reading_it_whole(tmp_path):
+    rng = random.Random(3)
+    rows = [json.dumps({"text": _text(rng, rng.randint(1, 20))}) for _ in range(200)]
+    rows[7], rows[50] = "{not json", ""  # a skip and a blank line keep their line numbers
+    (tmp_path / "big.jsonl").write_text("\n".join(rows) + "\n")
+    seps = ["\n\n", "\n \n\n", "\r\n\r\n", "\n\t\n", "\n"]  # the last: same paragraph
+    text = "".join(_text(rng, rng.randint(1, 15)) + rng.choice(seps) for _ in range(300))
+    (tmp_path / "big.txt").write_text(text + "end", newline="")
+    for name, layout in (("big.jsonl", Layout()), ("big.txt", Layout("paragraph")),
+                         ("big.txt", Layout("line"))):
+        whole, _ = _texts(tmp_path / name, layout)
+        the_plan = plan(str(tmp_path / name), layout, 500)
+        pieces = [Piece.from_json(p) for p in the_plan["pieces"]]
+        assert len(pieces) > 5 and all((p.first, p.stop) == (0, 1) for p in pieces)
+        read = [r for p in pieces for r in read_piece(the_plan, p, FieldNames(), layout, False)]
+        assert read == whole, name
+    # Small files are grouped whole, in sorted order, into pieces of about the size asked for.
+    (tmp_path / "many").mkdir()
+    for i in range(10):
+        (tmp_path / "many" / f"{i}.txt").write_text("x" * 99)
+    assert plan(str(tmp_path / "many"), Layout(), 350)["pieces"] == [
+        [0, 3, 0, None, 1], [3, 6, 0, None, 1], [6, 9, 0, None, 1], [9, 10, 0, None, 1]]
+
+
 @pytest.mark.slow
 def test_one_big_text_file_by_paragraph_prepares_with_both_splits_non_empty(tmp_path):
     rng = random.Random(2)
@@ -158,9 +183,13 @@ def test_peak_memory_does_not_grow_with_one_huge_document(tmp_path):
     # The child reports its own VmHWM: wait4's ru_maxrss would count this (large) pytest
     # process too, since a forked child's high-water mark survives its exec.
     report = tmp_path / "vmhwm"
-    child = ("import sys\nfrom clozax.cli import main\ntry:\n    main(sys.argv[2:])\nfinally:\n"
+    # Its workers' peaks come from RUSAGE_CHILDREN (an upper bound: a worker's counts what it
+    # was forked from).
+    child = ("import resource, sys\nfrom clozax.cli import main\ntry:\n    main(sys.argv[2:])\n"
+             "finally:\n"
              "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
-             "    open(sys.argv[1], 'w').write(hwm.split()[1])\n")
+             "    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+             "    open(sys.argv[1], 'w').write(str(max(int(hwm.split()[1]), kids)))\n")
     proc = subprocess.run([sys.executable, "-c", child, str(report), "prepare", "--corpus",
                            str(tmp_path / "c"), "--out", str(tmp_path / "out"), "--quiet",
                            "--vocab-size", "2000"], capture_output=True, text=True)

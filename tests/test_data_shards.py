@@ -18,12 +18,13 @@ import pytest
 from clozax.data import open_dataset, prepare
 from clozax.data.dataset import Split, verify_files
 from clozax.data.loader import host_batch
-from clozax.data.pack import PAUSE_AFTER_SHARD_ENV, sample_threshold, sampled_texts
+from clozax.data.pool import FAIL_TASK_ENV, PAUSE_AFTER_TASK_ENV
 from clozax.data.shards import ARRAYS, RowArray
+from clozax.data.spool import Sample
 
 WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
-# About 12 spool shards for the train split: small enough to be quick, several per worker.
-OPTIONS = dict(vocab_size=120, seq_len=32, heldout_fraction=0.2, shard_chars=1500)
+# About 12 pieces, so shards per split: small enough to be quick, several per worker.
+OPTIONS = dict(vocab_size=120, seq_len=32, heldout_fraction=0.2, shard_bytes=1500)
 
 
 def _corpus(root: Path, n: int = 240) -> Path:
@@ -95,43 +96,59 @@ def test_one_and_two_workers_write_byte_identical_shards_with_one_accounting(tmp
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_mid_prepare_equals_an_uninterrupted_run(tmp_path):
+def test_resume_after_sigkill_or_a_failed_worker_equals_an_uninterrupted_run(tmp_path):
+    """Killed while reading pieces, killed while packing shards, then a worker that dies: each
+    rerun continues from what was finished, and the result equals an uninterrupted run."""
     corpus = _corpus(tmp_path)
     whole = tmp_path / "whole"
     prepare(whole, corpus=str(corpus), workers=1, quiet=True, **OPTIONS)
     out = tmp_path / "out"
     call = (f"from clozax.data import prepare; prepare({str(out)!r}, corpus={str(corpus)!r}, "
             f"workers=1, quiet=True, **{OPTIONS!r})")
-    proc = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE,
-                            env={**os.environ, PAUSE_AFTER_SHARD_ENV: "0.5"})
-    deadline = time.monotonic() + 60
-    finished: list[Path] = []
-    while len(finished) < 3 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-        finished = list(tmp_path.glob(".out.partial-*/results/*.result.json"))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(finished) >= 3, proc.stderr.read().decode()
-    assert not out.exists()  # nothing visible as complete
-    partial = next(tmp_path.glob(".out.partial-*"))
-    first = partial / "train" / "shard-00000.tokens.npy"
-    written_at = first.stat().st_mtime_ns
+    finished = {"spool": "spool/*.read.json", "results": "results/*.result.json"}
+    kept = {}
+    for phase, pattern in finished.items():
+        proc = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE,
+                                env={**os.environ, PAUSE_AFTER_TASK_ENV: "0.3"})
+        deadline = time.monotonic() + 60
+        done: list[Path] = []
+        while len(done) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+            done = sorted(tmp_path.glob(f".out.partial-*/{pattern}"))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert len(done) >= 3, proc.stderr.read().decode()
+        assert not out.exists()  # nothing visible as complete
+        kept[phase] = (done[0], done[0].stat().st_mtime_ns)
+    assert kept["spool"][0].stat().st_mtime_ns == kept["spool"][1]  # not read again
+
+    # A worker that dies: one line naming it, no traceback, the finished shards kept.
+    command = [sys.executable, "-m", "clozax.cli", "prepare", "--out", str(out), "--corpus",
+               str(corpus), "--workers", "2", "--quiet", "--vocab-size", "120", "--seq-len",
+               "32", "--heldout-fraction", "0.2", "--shard-bytes", "1500"]
+    proc = subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, FAIL_TASK_ENV: "pack:2"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, lines
+    assert "a prepare worker failed (exit 3" in lines[0] and "resume" in lines[0]
+    assert kept["results"][0].stat().st_mtime_ns == kept["results"][1]
 
     prepare(out, corpus=str(corpus), workers=2, quiet=True, **OPTIONS)
     assert _files(out) == _files(whole)
-    assert (out / "train" / "shard-00000.tokens.npy").stat().st_mtime_ns == written_at  # kept
     assert not list(tmp_path.glob(".out.*"))
 
 
-def test_tokenizer_sample_is_exactly_n_documents_chosen_by_a_keyed_hash(tmp_path):
-    spools = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
-    for i, path in enumerate(spools):
-        path.write_text("".join(json.dumps({"id": f"{i:02x}{k:030x}", "text": f"t{i}-{k}"}) +
-                                "\n" for k in range(50)))
-    texts = {seed: list(sampled_texts(spools, sample_threshold(spools, 7, seed), seed))
-             for seed in (0, 1)}
+def test_tokenizer_sample_is_exactly_n_documents_chosen_by_a_keyed_hash():
+    records = [{"id": f"{i:02x}{k:030x}", "text": f"t{i}-{k}"} for i in range(2) for k in range(50)]
+
+    def chosen(n: int | None, seed: int) -> list[str]:
+        sample = Sample(n, seed)
+        for record in records:
+            sample.offer(record["id"])
+        return list(sample.chosen(iter(records), sample.threshold()))
+
+    texts = {seed: chosen(7, seed) for seed in (0, 1)}
     assert len(texts[0]) == len(texts[1]) == 7 and texts[0] != texts[1]
-    every = [f"t{i}-{k}" for i in range(2) for k in range(50)]
+    every = [r["text"] for r in records]
     assert texts[0] == [t for t in every if t in texts[0]]  # corpus order kept
-    assert sample_threshold(spools, 100, 0) is None  # a sample of all is all
-    assert list(sampled_texts(spools, None, 0)) == every
+    assert chosen(100, 0) == chosen(None, 0) == every  # a sample of all is all

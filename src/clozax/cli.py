@@ -92,8 +92,10 @@ def prepare(
     overwrite: Annotated[
         bool, typer.Option(help="Replace an existing output directory (atomically).")
     ] = False,
+    shard_bytes: Annotated[int, typer.Option(
+        help="Input bytes per piece (one worker's task, one data shard).")] = 1 << 22,
     workers: Annotated[int | None, typer.Option(
-        help="Processes packing shards (default: every core); output is the same.")] = None,
+        help="Cores to use (default: all); the output is the same for any number.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
 ):
     """Read a corpus, split it by document group, train a frozen tokenizer, pack rows."""
@@ -360,9 +362,6 @@ def demo(
     summary = demo_lib.run_demo(out, steps=steps, preset=preset, quick=quick)
     if not summary["audit"]["passed"]:
         raise SystemExit(1)
-
-
-# New commands go above this line (one function each, parsing only).
 
 
 def _fail(message: str) -> None:

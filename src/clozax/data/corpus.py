@@ -69,6 +69,16 @@ class Accounting:
         self.kept -= 1
         self.skip(source, reason)
 
+    def merge(self, other: Accounting) -> None:
+        """Add the counts of a later part of the corpus (skips listed in corpus order)."""
+        self.read += other.read
+        self.kept += other.kept
+        self.duplicates += other.duplicates
+        self.skipped += other.skipped
+        self.skips += other.skips[: MAX_LISTED_SKIPS - len(self.skips)]
+        for kind, count in other.skip_reasons.items():
+            self.skip_reasons[kind] = self.skip_reasons.get(kind, 0) + count
+
     def check(self) -> None:
         assert self.read == self.kept + self.duplicates + self.skipped, self
 

@@ -3,18 +3,23 @@
 Order of work, in a hidden sibling directory ``.{out}.partial-{key}`` renamed into place only
 when complete (no half dataset is ever visible as complete):
 
-1. read, clean, dedup and split the corpus, streaming kept documents to per-split spool shards
-   of about ``shard_chars`` characters each (``spool/done.json`` marks the phase finished);
-2. train the tokenizer on the train spool only, or a keyed sample of it (or copy
+1. cut the corpus into pieces (``data/pieces.py``: whole files, or ranges of a large file);
+   read, clean and split each piece into spools over ``--workers`` processes, deduplicating the
+   pieces here in corpus order as they finish (``data/spool.py``; ``spool/done.json`` marks
+   the phase finished);
+2. train the tokenizer on the kept train documents only, or a keyed sample of them (or copy
    ``--tokenizer`` unchanged); ``tokenizer.json`` appears by rename when finished;
-3. encode, chunk and best-fit pack each spool shard into its data shard, over ``--workers``
-   processes (``data/pack.py``; a shard's result file marks it finished);
+3. encode, chunk and best-fit pack each piece's kept documents of a split into one data shard,
+   over the workers (``data/pack.py``; a shard's result file marks it finished);
 4. write ``manifest.json`` with the shard index, delete the spools, rename into place.
+
+``--workers N`` uses N cores: N processes each with a one-thread tokenizer (``data/pool.py``),
+and N tokenizer-training threads. The output never depends on N.
 
 Resuming: ``key`` hashes everything that decides the output (the config without speed-only
 settings, the corpus files' names, sizes and modification times, the clozax version), so a
 prepare killed at any point and run again with the same settings finds its directory and
-continues after the last finished phase or shard, with the same final bytes.
+continues after the last finished piece, phase or shard, with the same final bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -38,7 +42,7 @@ import clozax
 from clozax.core import files
 from clozax.core.files import claim_dir, file_sha256, publish_dir, remove_stale_partials
 from clozax.core.vocab import SPECIAL_NAMES
-from clozax.data.corpus import MAX_RUN_CHARS, Accounting, DiskSet, clean
+from clozax.data.corpus import MAX_RUN_CHARS, Accounting
 from clozax.data.dataset import (
     FORMAT_VERSION,
     data_files,
@@ -46,23 +50,19 @@ from clozax.data.dataset import (
     fingerprint,
     unigram_file,
 )
-from clozax.data.pack import (
-    WorkerFailed,
-    result_path,
-    run_shards,
-    sample_threshold,
-    sampled_texts,
-    spool_path,
-)
+from clozax.data.pack import result_path
 from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, PACKER_VERSION
-from clozax.data.readers import FieldNames, Layout, Record, read_corpus
+from clozax.data.pieces import plan
+from clozax.data.pool import Pool, WorkerFailed
+from clozax.data.readers import Layout
 from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES, find_files
-from clozax.data.split import HELDOUT, SPLITS, TRAIN, assign_split, group_key
-from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer, train_tokenizer
+from clozax.data.split import HELDOUT, SPLITS, TRAIN
+from clozax.data.spool import Dedup, Sample, piece_read
+from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer
 
-# Characters of text per spool shard, hence per data shard: large enough that the built-in
-# corpus is one shard per split, small enough that a large corpus spreads over the workers.
-SHARD_CHARS = 1 << 22
+# Input bytes per piece, hence per data shard (at least: see pieces.MAX_PIECES): small enough
+# that a corpus spreads over the workers, large enough that shards are few.
+SHARD_BYTES = 1 << 22
 SPEED_ONLY = ("workers", "overwrite")  # not in the resume key: they change no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
@@ -89,7 +89,7 @@ class PrepareConfig:
     seq_len: int = 128
     strict: bool = False
     overwrite: bool = False
-    shard_chars: int = SHARD_CHARS
+    shard_bytes: int = SHARD_BYTES
     workers: int | None = None  # None: every core
 
     def __post_init__(self):
@@ -112,9 +112,9 @@ class PrepareConfig:
         if not self.text_field:
             raise ValueError("--text-field is empty; name the field holding the text")
         Layout(self.text_unit, self.group_by)  # validates both
-        if self.shard_chars < 1:
-            raise ValueError(f"--shard-chars {self.shard_chars} must be positive; "
-                             f"{SHARD_CHARS} is the default")
+        if self.shard_bytes < 1:
+            raise ValueError(f"--shard-bytes {self.shard_bytes} must be positive; "
+                             f"{SHARD_BYTES} is the default")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"--workers {self.workers} must be at least 1; omit it to use "
                              "every core")
@@ -143,9 +143,8 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
                          "manifest.json); remove it yourself or choose another --out")
     if config.tokenizer is not None:
         load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
-    names = FieldNames(config.text_field, config.group_field, config.label_field)
-    records = read_corpus(config.corpus, names, config.strict,  # checks the path now
-                          Layout(config.text_unit, config.group_by))
+    layout = Layout(config.text_unit, config.group_by)
+    pieces = plan(config.corpus, layout, config.shard_bytes)  # checks the path now
     started = time.perf_counter()
     tmp = out.parent / f".{out.name}.partial-r{_resume_key(config)}"
     remove_stale_partials(out, keep=tmp)  # a killed run with other settings is not resumed
@@ -153,7 +152,7 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
     try:
         progress = _progress(quiet)
         with progress:
-            manifest = _build(config, records, tmp, progress)
+            manifest = _build(config, pieces, tmp, progress)
     except WorkerFailed:
         raise  # keep the finished shards for the next run
     except ValueError:  # bad input: nothing worth resuming
@@ -187,14 +186,15 @@ def _progress(quiet: bool) -> Progress:
     )
 
 
-def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
-           progress: Progress) -> dict:
-    # 1. read, clean, split, spool (skipped when a resumed run finished it)
+def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress) -> dict:
+    workers = Pool(config.workers or os.cpu_count() or 1)
+    # 1. read, clean, split and spool the pieces; dedup in corpus order (skipped when a resumed
+    #    run finished it)
     phase1 = files.read_json(tmp / "spool" / "done.json")
     if phase1 is None:
-        phase1 = _read_split_spool(config, records, tmp, progress)
+        phase1 = _read_pieces(config, the_plan, tmp, progress, workers)
     accounting = Accounting(**phase1["accounting"])
-    docs, groups, n_shards = phase1["docs"], phase1["groups"], phase1["shards"]
+    docs, groups, shards = phase1["docs"], phase1["groups"], phase1["shards"]
 
     # 2. tokenizer, frozen (written under a temporary name, so its presence means finished)
     tokenizer_path = tmp / "tokenizer.json"
@@ -203,31 +203,35 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         if config.tokenizer is not None:
             shutil.copyfile(config.tokenizer, partial)  # unchanged, byte for byte
         else:
-            spools = [spool_path(tmp, TRAIN, k) for k in range(n_shards[TRAIN])]
-            threshold = sample_threshold(spools, config.tokenizer_sample, config.seed)
+            threshold = phase1["sample_threshold"]
             n_train = docs[TRAIN] if threshold is None else config.tokenizer_sample
-            training = progress.add_task("training tokenizer", total=n_train, detail="")
-            texts = _texts(spools, progress, training, threshold, config.seed)
-            tok = train_tokenizer(texts, model=config.tokenizer_model,
-                                  vocab_size=config.vocab_size, lowercase=config.lowercase,
-                                  length=n_train)
-            tok.save(str(partial))
+            training = progress.add_task("training tokenizer", total=1, detail=f"{n_train:,}")
+            options = {"model": config.tokenizer_model, "vocab_size": config.vocab_size,
+                       "lowercase": config.lowercase, "length": n_train}
+            workers.run([{"kind": "train", "args": {
+                "tmp": str(tmp), "pieces": shards[TRAIN], "threshold": threshold,
+                "seed": config.seed, "options": options}}])
+            progress.advance(training)
         partial.rename(tokenizer_path)
     tok = load_tokenizer(tokenizer_path)
     specials = find_specials(tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
-    # 3. encode, chunk, pack, write: one data shard per spool shard, over the workers
-    tasks = [(split, k) for split in SPLITS for k in range(n_shards[split])]
+    # 3. encode, chunk, pack, write: one data shard per piece with kept documents of a split
+    tasks = [{"kind": "pack", "args": {"tmp": str(tmp), "split": split, "k": k, "piece": piece,
+                                       "seq_len": config.seq_len}}
+             for split in SPLITS for k, piece in enumerate(shards[split])]
     packing = progress.add_task("packing shards", total=len(tasks), detail="")
-    run_shards(tmp, tasks, config.seq_len, config.workers or os.cpu_count() or 1,
-               done=lambda: progress.advance(packing))
+    (tmp / "results").mkdir(exist_ok=True)
+    todo = [t for t in tasks if not result_path(tmp, t["args"]["split"], t["args"]["k"]).is_file()]
+    progress.advance(packing, len(tasks) - len(todo))
+    workers.run(todo, done=lambda i: progress.advance(packing))
     split_stats, ids_sha256, index = {}, {}, {}
     keys = ("documents", "rows", "tokens", "chunks", "chunked_documents")
     for split in SPLITS:
         ids_hash, counts = hashlib.sha256(), np.zeros(vocab_size, np.int64)
         total, index[split], skipped = dict.fromkeys(keys, 0), [], 0
-        for k in range(n_shards[split]):  # in shard order, one result held at a time
+        for k in range(len(shards[split])):  # in shard order, one result held at a time
             result = files.read_json(result_path(tmp, split, k))
             for source, reason in result["skips"]:
                 accounting.unkeep(source, reason)
@@ -295,7 +299,7 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
         "text_field": config.text_field,
         "seq_len": config.seq_len,
         "packer": PACKER_VERSION,
-        "shard_chars": config.shard_chars,
+        "shard_bytes": config.shard_bytes,
         "tokenizer_sha256": manifest["tokenizer"]["sha256"],
         "files": file_records(tmp, data_files(index)),
     }
@@ -304,45 +308,44 @@ def _build(config: PrepareConfig, records: Iterator[Record], tmp: Path,
     return manifest
 
 
-def _read_split_spool(config: PrepareConfig, records: Iterator[Record], tmp: Path,
-                      progress: Progress) -> dict:
-    """Read, clean, dedup and split; spool kept documents per split in shards of about
-    ``shard_chars`` characters (corpus order). Dedup digests and group keys live on disk
-    (``DiskSet``), so memory does not grow with the corpus; a group's side is its keyed hash."""
-    shutil.rmtree(tmp / "spool", ignore_errors=True)
-    (tmp / "spool").mkdir()
-    accounting = Accounting()
-    sets = DiskSet(tmp / "spool" / "sets.sqlite",
-                   ("digests", *(f"{split}_groups" for split in SPLITS)))
-    shards, chars = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
-    spools = {split: spool_path(tmp, split, 0).open("w", encoding="utf-8") for split in SPLITS}
-    docs = dict.fromkeys(SPLITS, 0)
-    reading = progress.add_task("reading", total=None, detail="")
-    for doc in clean(records, accounting, sets):
-        key = group_key(doc.group, config.seed)
-        split = assign_split(key, config.heldout_fraction)
-        sets.add(f"{split}_groups", key.to_bytes(8, "little"))
-        if chars[split] >= config.shard_chars:  # start the split's next shard
-            spools[split].close()
-            shards[split] += 1
-            chars[split] = 0
-            spools[split] = spool_path(tmp, split, shards[split]).open("w", encoding="utf-8")
-        docs[split] += 1
-        chars[split] += len(doc.text)
-        record = {"id": doc.id, "text": doc.text, "group": doc.group, "label": doc.label,
-                  "source": doc.source}  # asdict(doc), without its deep copies
-        spools[split].write(json.dumps(record, ensure_ascii=False) + "\n")
-        progress.advance(reading)
-    for f in spools.values():
-        f.close()
-    groups = {split: sets.count(f"{split}_groups") for split in SPLITS}
-    sets.close()
-    (tmp / "spool" / "sets.sqlite").unlink()
-    progress.update(reading, total=accounting.read, completed=accounting.read)
+def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
+                 workers: Pool) -> dict:
+    """Phase 1 (see the module docstring and ``data/spool.py``): read pieces over the workers,
+    merging each here as soon as every piece before it is merged."""
+    (tmp / "spool").mkdir(exist_ok=True)
+    files.write_json(tmp / "spool" / "plan.json", the_plan)
+    files.write_json(tmp / "spool" / "settings.json", {
+        "fields": [config.text_field, config.group_field, config.label_field],
+        "layout": [config.text_unit, config.group_by], "strict": config.strict,
+        "seed": config.seed, "heldout_fraction": config.heldout_fraction})
+    n = len(the_plan["pieces"])
+    sample = Sample(None if config.tokenizer else config.tokenizer_sample, config.seed)
+    dedup = Dedup(tmp, sample)
+    reading = progress.add_task("reading", total=n, detail="")
+    read = [piece_read(tmp, i) for i in range(n)]  # a resumed run keeps the pieces it read
+    merged = 0
+
+    def merge_ready() -> None:
+        nonlocal merged
+        while merged < n and read[merged]:
+            dedup.merge(merged)
+            merged += 1
+            progress.update(reading, completed=merged, detail=f"{dedup.accounting.read:,}")
+
+    def finished(i: int) -> None:
+        read[todo[i]] = True
+        merge_ready()
+
+    merge_ready()
+    todo = [i for i in range(n) if not read[i]]
+    workers.run([{"kind": "read", "args": {"tmp": str(tmp), "piece": i}} for i in todo],
+                done=finished)
+    groups = dedup.close()
+    accounting = dedup.accounting
     accounting.check()
     _check_corpus(config, accounting, groups)
-    phase1 = {"accounting": asdict(accounting), "docs": docs, "groups": groups,
-              "shards": {split: shards[split] + 1 for split in SPLITS}}
+    phase1 = {"accounting": asdict(accounting), "docs": dedup.docs, "groups": groups,
+              "shards": dedup.shards, "pieces": n, "sample_threshold": sample.threshold()}
     files.write_json(tmp / "spool" / "done.json", phase1)
     return phase1
 
@@ -363,13 +366,6 @@ def _check_corpus(config: PrepareConfig, accounting: Accounting,
                 f"{other} at --heldout-fraction {config.heldout_fraction} --seed {config.seed};"
                 " add documents from more groups (or --group-field), or change the fraction "
                 "or seed")
-
-
-def _texts(spools: list[Path], progress: Progress, task, threshold: int | None,
-           seed: int) -> Iterator[str]:
-    for text in sampled_texts(spools, threshold, seed):
-        progress.advance(task)
-        yield text
 
 
 def print_summary(manifest: dict, console: Console, seconds: float | None = None) -> None:

@@ -18,10 +18,7 @@ with a reason, or a ``ValueError`` when ``strict`` is set.
 
 from __future__ import annotations
 
-import ast
 import json
-import os
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +33,6 @@ from clozax.data.sources import (
     decode,
     decompression_errors,
     file_kind,
-    find_files,
     open_bytes,
     text_blocks,
     units,
@@ -45,14 +41,6 @@ from clozax.data.sources import (
 TEXT_UNITS = ("file", "paragraph", "line")
 GROUP_BY = ("document", "file")
 _ROW_BATCH = 1024  # parquet/arrow rows per batch
-
-# Directories of the stdlib that hold tests, fixtures or third-party code, not documentation.
-_STDLIB_SKIP_DIRS = {
-    "site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
-    "test_support", "testdata",
-}
-_DOCSTRING_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
 
 @dataclass(frozen=True)
 class RawDocument:
@@ -97,24 +85,29 @@ class Layout:
                              f"{', '.join(GROUP_BY)}")
 
 
+@dataclass(frozen=True)
+class Span:
+    """Bytes ``[start, end)`` of a file (``end`` None: to its end), whose first line is number
+    ``line``: a piece of a large uncompressed file read by one worker."""
+
+    start: int = 0
+    end: int | None = None
+    line: int = 1
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end is None
+
+
 Record = RawDocument | Skip
 
 
-def read_corpus(corpus: str, fields: FieldNames, strict: bool,
-                layout: Layout = Layout()) -> Iterator[Record]:
-    """Every record of ``corpus``: ``"stdlib"``, a directory, a glob or one supported file.
-
-    The path is checked now (not on first iteration), so a bad path fails before any work.
-    """
-    if corpus == "stdlib":
-        stdlib_root_checked()
-        return _guard(read_stdlib(), strict)
-    files, base = find_files(corpus)
+def check_files(files: list[Path]) -> None:
+    """Fail now, not after reading other files, when a file needs a package not installed."""
     check_readable(files)
     tables = [p for p in files if file_kind(p)[0] in ("parquet", "arrow")]
     if tables:
-        _import_pyarrow(tables[0])  # fail now, not after reading the other files
-    return _guard(_read_files(files, base, fields, layout), strict)
+        _import_pyarrow(tables[0])
 
 
 def _import_pyarrow(path: Path):
@@ -127,7 +120,7 @@ def _import_pyarrow(path: Path):
     return pa, pq
 
 
-def _guard(records: Iterator[Record], strict: bool) -> Iterator[Record]:
+def guard(records: Iterator[Record], strict: bool) -> Iterator[Record]:
     for record in records:
         if strict and isinstance(record, Skip):
             raise ValueError(f"{record.source}: {record.reason} (--strict is set; fix or remove "
@@ -135,17 +128,25 @@ def _guard(records: Iterator[Record], strict: bool) -> Iterator[Record]:
         yield record
 
 
-def _read_files(files: list[Path], base: Path, fields: FieldNames,
-                layout: Layout) -> Iterator[Record]:
-    for path in files:
-        rel = path.relative_to(base).as_posix() if path.is_relative_to(base) else path.as_posix()
-        kind = file_kind(path)[0]
-        if kind == "text":
-            yield from _read_text(path, rel, layout)
-            continue
-        rows = {"jsonl": _read_jsonl, "parquet": _read_parquet, "arrow": _read_arrow}[kind]
-        for record in rows(path, rel, fields, layout):
-            yield from split_long(record)
+def relative_name(path: Path, base: Path) -> str:
+    """A file's name in sources and groups: relative to the corpus base where it lies below."""
+    return path.relative_to(base).as_posix() if path.is_relative_to(base) else path.as_posix()
+
+
+def read_file(path: Path, rel: str, fields: FieldNames, layout: Layout,
+              span: Span | None = None) -> Iterator[Record]:
+    """Every record of one file, or of the byte range ``span`` of an uncompressed JSONL or
+    text file (``data/pieces.py`` chooses the ranges at line or paragraph ends)."""
+    kind = file_kind(path)[0]
+    if kind == "text":
+        yield from _read_text(path, rel, layout, span or Span())
+        return
+    if kind == "jsonl":
+        rows = _read_jsonl(path, rel, fields, layout, span or Span())
+    else:
+        rows = {"parquet": _read_parquet, "arrow": _read_arrow}[kind](path, rel, fields, layout)
+    for record in rows:
+        yield from split_long(record)
 
 
 def split_long(record: Record, limit: int = MAX_DOCUMENT_CHARS) -> Iterator[Record]:
@@ -162,8 +163,9 @@ def split_long(record: Record, limit: int = MAX_DOCUMENT_CHARS) -> Iterator[Reco
         pos = end
 
 
-def _read_text(path: Path, rel: str, layout: Layout) -> Iterator[Record]:
-    """Documents of one text file by ``layout.text_unit``, streamed in blocks."""
+def _read_text(path: Path, rel: str, layout: Layout, span: Span) -> Iterator[Record]:
+    """Documents of one text file (or span of it) by ``layout.text_unit``, streamed in
+    blocks."""
     top = rel.split("/")[0] if "/" in rel else None
     whole_file = layout.text_unit == "file"
     pending: list[RawDocument] = []  # a whole file's single document waits for the end
@@ -177,7 +179,12 @@ def _read_text(path: Path, rel: str, layout: Layout) -> Iterator[Record]:
     except OSError as e:
         yield Skip(rel, f"unreadable ({e.strerror or type(e).__name__})")
         return
-    pieces = units(text_blocks(handle), None if whole_file else SEPARATORS[layout.text_unit])
+    if span.start:
+        handle.seek(span.start)
+    length = None if span.end is None else span.end - span.start
+    pieces = units(text_blocks(handle, span.start, length),
+                   None if whole_file else SEPARATORS[layout.text_unit], line=span.line,
+                   tail=span.end is None)
     emitted = False
     try:
         with handle:
@@ -195,7 +202,8 @@ def _read_text(path: Path, rel: str, layout: Layout) -> Iterator[Record]:
     except (BadBytes, OSError) as e:
         reason = str(e) if isinstance(e, BadBytes) else \
             f"unreadable ({e.strerror or type(e).__name__})"
-        yield Skip(f"{rel}#rest" if emitted else rel, reason)
+        here = rel if span.whole else f"{rel}:{span.line}+"
+        yield Skip(f"{here}#rest" if emitted else here, reason)
         return
     yield from pending
 
@@ -218,22 +226,28 @@ def _from_row(row: object, where: str, fields: FieldNames, group_default: str) -
                        label=found.get("label"), source=where)
 
 
-def _read_jsonl(path: Path, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
+def _read_jsonl(path: Path, rel: str, fields: FieldNames, layout: Layout,
+                span: Span) -> Iterator[Record]:
     try:
         handle = open_bytes(path)
     except OSError as e:
         yield Skip(rel, f"unreadable ({e.strerror or type(e).__name__})")
         return
-    number = 0
+    number, left = span.line - 1, None if span.end is None else span.end - span.start
     try:
         with handle:
-            while line := handle.readline(MAX_LINE_BYTES + 1):
+            if span.start:
+                handle.seek(span.start)
+            while (left is None or left > 0) and (line := handle.readline(MAX_LINE_BYTES + 1)):
                 number += 1
+                if left is not None:
+                    left -= len(line)
                 where = f"{rel}:{number}"
                 if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
                     while (rest := handle.readline(MAX_LINE_BYTES)) and \
                             not rest.endswith(b"\n"):
-                        pass  # drop the rest of the line without holding it
+                        left = None if left is None else left - len(rest)
+                    left = None if left is None else left - len(rest)  # the line's last bytes
                     yield Skip(where, f"line longer than {MAX_LINE_BYTES} bytes (split the row "
                                "into smaller documents)")
                     continue
@@ -303,67 +317,3 @@ def _read_arrow(path: Path, rel: str, fields: FieldNames, layout: Layout) -> Ite
         return
     columns = [c for c in (fields.text, fields.group, fields.label) if c in schema.names]
     yield from _table_rows((b.select(columns) for b in reader), rel, fields, layout)
-
-
-def stdlib_root() -> Path:
-    """The running interpreter's standard-library source directory."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_root_checked() -> Path:
-    root = stdlib_root()
-    if not (root / "os.py").is_file():
-        raise ValueError(f"stdlib source {root} is missing; install the Python source files "
-                         "or pass --corpus PATH")
-    return root
-
-
-def _is_stdlib_test(rel: str) -> bool:
-    parts = rel.split("/")
-    name = parts[-1]
-    return (any(p in _STDLIB_SKIP_DIRS for p in parts[:-1]) or name.startswith("test_")
-            or name == "__main__.py" and parts[0] == "test")
-
-
-def stdlib_files(root: Path | None = None) -> Iterator[tuple[Path, str]]:
-    """``(path, relative name)`` of every non-test ``.py`` file of the stdlib, sorted."""
-    root = stdlib_root_checked() if root is None else root
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS
-                             and not d.startswith("test_"))
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            path = Path(dirpath) / name
-            rel = path.relative_to(root).as_posix()
-            if not _is_stdlib_test(rel):
-                yield path, rel
-
-
-def read_stdlib(root: Path | None = None) -> Iterator[Record]:
-    """Docstrings of modules, classes and functions; group = module file, label = package."""
-    for path, rel in stdlib_files(root):
-        label = rel.split("/")[0].removesuffix(".py")
-        try:
-            tree = ast.parse(path.read_bytes(), filename=rel)
-        except (SyntaxError, ValueError) as e:
-            yield Skip(rel, f"not parseable as Python ({type(e).__name__})")
-            continue
-        except OSError as e:
-            yield Skip(rel, f"unreadable ({e.strerror or type(e).__name__})")
-            continue
-        for node, qualname in _docstring_nodes(tree, ""):
-            doc = ast.get_docstring(node, clean=True)
-            if doc is not None:
-                yield RawDocument(text=doc, group=rel, label=label,
-                                  source=f"{rel}:{qualname or '<module>'}")
-
-
-def _docstring_nodes(node: ast.AST, prefix: str) -> Iterator[tuple[ast.AST, str]]:
-    """Depth-first, in source order, so documents keep the order a reader sees."""
-    if isinstance(node, _DOCSTRING_NODES):
-        yield node, prefix
-    for child in ast.iter_child_nodes(node):
-        name = getattr(child, "name", None)
-        child_prefix = f"{prefix}.{name}" if prefix and name else (name or prefix)
-        yield from _docstring_nodes(child, child_prefix)

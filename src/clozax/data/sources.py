@@ -126,17 +126,20 @@ def decompression_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def text_blocks(handle: IO[bytes]) -> Iterator[str]:
-    """Decoded UTF-8 text in blocks of at most ``BLOCK_BYTES``; ``BadBytes`` naming the
-    offset of the first NUL byte or invalid sequence, or the decompression failure."""
+def text_blocks(handle: IO[bytes], offset: int = 0, length: int | None = None) -> Iterator[str]:
+    """Decoded UTF-8 text in blocks of at most ``BLOCK_BYTES`` (``length`` bytes in all when
+    given, for a piece of a file whose stream starts at byte ``offset``); ``BadBytes`` naming
+    the file offset of the first NUL byte or invalid sequence, or the decompression failure."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
     corrupt = decompression_errors()
+    left = length
     while True:
         try:
-            data = handle.read(BLOCK_BYTES)
+            data = handle.read(BLOCK_BYTES if left is None else min(BLOCK_BYTES, left))
         except corrupt as e:
             raise BadBytes(f"corrupt compressed data ({type(e).__name__})") from None
+        if left is not None:
+            left -= len(data)
         nul = data.find(b"\x00")
         if nul >= 0:
             raise BadBytes(f"binary content (NUL byte at offset {offset + nul})")
@@ -174,10 +177,15 @@ def cut_point(text: str, limit: int) -> int:
 
 
 def units(blocks: Iterator[str], separator: re.Pattern | None,
-           limit: int = MAX_DOCUMENT_CHARS) -> Iterator[tuple[int, str, int]]:
+          limit: int = MAX_DOCUMENT_CHARS, line: int = 1,
+          tail: bool = True) -> Iterator[tuple[int, str, int]]:
     """``(first line number, text, part)`` of each unit; part 0 = a whole unit, else 1, 2, …
-    for the consecutive parts of a unit longer than ``limit``. Linear in the input."""
-    buffer, line, part = "", 1, 0
+    for the consecutive parts of a unit longer than ``limit``. Linear in the input.
+
+    ``line`` is the number of the first line; ``tail=False`` reads a piece of a file that ends
+    just after a complete separator (``data/pieces.py`` cuts there), so that separator ends the
+    last unit and no empty unit follows it, as when the whole file is read."""
+    buffer, part = "", 0
     for block in blocks:
         buffer += block
         pos = 0
@@ -195,5 +203,10 @@ def units(blocks: Iterator[str], separator: re.Pattern | None,
             yield line, buffer[pos:end], part
             pos = end
         buffer = buffer[pos:]
+    if not tail and separator is not None:
+        end = re.compile(f"(?:{separator.pattern})\\Z").search(buffer)
+        buffer = buffer[: end.start()] if end else buffer
+        if not buffer and part == 0:
+            return
     if buffer or part == 0:
         yield line, buffer, part + 1 if part else 0

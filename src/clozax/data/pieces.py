@@ -1,0 +1,151 @@
+"""The corpus cut into pieces: the unit of work of reading (one worker reads one piece) and of
+the data shards (a piece's kept documents of a split are packed into one shard).
+
+A piece is a run of consecutive whole files of about ``piece_bytes`` in all, or a byte range of
+one large uncompressed JSONL or text file (``--text-unit line`` or ``paragraph``), cut where a
+line (JSONL, line) or a paragraph (paragraph) ends, with the number of its first line so sources
+read ``file:line`` as when the whole file is read. Compressed, parquet and arrow files, and text
+files read as one document (``--text-unit file``), are never cut.
+
+The plan is a function of the corpus (its files, their sizes and the cut points in their bytes)
+and ``piece_bytes`` only, never of ``--workers``: so the output does not depend on how many
+processes read it. Finding the cuts reads each large file once, counting line ends in blocks
+(bounded memory).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from clozax.data.readers import (
+    FieldNames,
+    Layout,
+    Record,
+    Span,
+    check_files,
+    guard,
+    read_file,
+    relative_name,
+)
+from clozax.data.sources import file_kind, find_files
+from clozax.data.stdlib import read_stdlib, stdlib_root_checked
+
+# A corpus of more than this many pieces gets larger pieces (``piece_bytes`` is a floor), so a
+# 100 GB corpus is thousands of shards, not tens of thousands.
+MAX_PIECES = 4096
+_BLOCK = 1 << 20
+_OVERLAP = 1 << 12  # bytes kept between blocks so a cut pattern can span two of them
+# Where a piece may end: just after a line end, or after a blank line followed by visible
+# ASCII (so the whole file's paragraph separator ends exactly there too).
+_CUTS = {"line": re.compile(rb"\n"), "paragraph": re.compile(rb"\n[ \t\r\x0b\x0c]*\n(?=[!-~])")}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Files ``[first, stop)`` of the plan's file list; when one file is cut, ``span`` is the
+    byte range of it this piece reads."""
+
+    first: int
+    stop: int
+    span: Span = Span()
+
+    def to_json(self) -> list:
+        return [self.first, self.stop, self.span.start, self.span.end, self.span.line]
+
+    @staticmethod
+    def from_json(row: list) -> Piece:
+        return Piece(row[0], row[1], Span(row[2], row[3], row[4]))
+
+
+def plan(corpus: str, layout: Layout, piece_bytes: int) -> dict:
+    """``{"files": [[path, name], …], "pieces": [Piece.to_json(), …]}`` for ``corpus``
+    (``"stdlib"`` is one piece). ``ValueError`` for a bad path or a missing optional reader."""
+    if corpus == "stdlib":
+        stdlib_root_checked()
+        return {"files": [], "pieces": [Piece(0, 0).to_json()]}
+    files, base = find_files(corpus)
+    check_files(files)
+    sizes = [p.stat().st_size for p in files]
+    piece_bytes = max(piece_bytes, -(-sum(sizes) // MAX_PIECES))
+    pieces: list[Piece] = []
+    first, held = 0, 0  # the run of whole files not yet made a piece, and its bytes
+    for i, (path, size) in enumerate(zip(files, sizes, strict=True)):
+        rule = _cut_rule(path, layout)
+        if rule is not None and size > piece_bytes:
+            if first < i:
+                pieces.append(Piece(first, i))
+            pieces += [Piece(i, i + 1, span) for span in _spans(path, size, piece_bytes, rule)]
+            first, held = i + 1, 0
+            continue
+        if held and held + size > piece_bytes:
+            pieces.append(Piece(first, i))
+            first, held = i, 0
+        held += size
+    if first < len(files):
+        pieces.append(Piece(first, len(files)))
+    return {"files": [[str(p), relative_name(p, base)] for p in files],
+            "pieces": [p.to_json() for p in pieces]}
+
+
+def _cut_rule(path: Path, layout: Layout) -> re.Pattern | None:
+    kind, compression = file_kind(path)
+    if compression is not None:
+        return None
+    if kind == "jsonl":
+        return _CUTS["line"]
+    if kind == "text" and layout.text_unit != "file":
+        return _CUTS[layout.text_unit]
+    return None
+
+
+def _spans(path: Path, size: int, piece_bytes: int, rule: re.Pattern) -> list[Span]:
+    """Byte ranges of about ``piece_bytes``, each ending just after a match of ``rule`` found
+    at or after its nominal end, with their first line numbers; one pass over the file."""
+    cuts = [(0, 1)]  # (offset, number of the line starting there)
+    base, line, data = 0, 1, b""  # data: the file's bytes from offset base, not yet counted
+    goal = piece_bytes
+    with path.open("rb") as f:
+        while block := f.read(_BLOCK):
+            data += block
+            while base + len(data) > goal:
+                match = rule.search(data, max(goal - base, 0))
+                if match is None or base + match.end() >= size:
+                    break
+                line += data.count(b"\n", 0, match.end())
+                data, base = data[match.end():], base + match.end()
+                cuts.append((base, line))
+                goal = base + piece_bytes
+            counted = max(len(data) - _OVERLAP, 0)
+            line += data.count(b"\n", 0, counted)
+            data, base = data[counted:], base + counted
+    ends = [start for start, _ in cuts[1:]] + [None]
+    return [Span(start, end, first) for (start, first), end in zip(cuts, ends, strict=True)]
+
+
+def read_piece(the_plan: dict, piece: Piece, fields: FieldNames, layout: Layout,
+               strict: bool) -> Iterator[Record]:
+    """Every record of one piece, in corpus order (``ValueError`` on a skip when strict)."""
+    if not the_plan["files"]:
+        return guard(read_stdlib(), strict)
+    files = the_plan["files"]
+
+    def records() -> Iterator[Record]:
+        for path, rel in files[piece.first : piece.stop]:
+            yield from read_file(Path(path), rel, fields, layout,
+                                 None if piece.span.whole else piece.span)
+
+    return guard(records(), strict)
+
+
+def read_corpus(corpus: str, fields: FieldNames, strict: bool,
+                layout: Layout | None = None, piece_bytes: int = 1 << 22) -> Iterator[Record]:
+    """Every record of ``corpus`` (``"stdlib"``, a directory, a glob or one supported file):
+    its pieces one after another, as ``prepare``'s workers read them. The path is checked
+    now, not on first iteration, so a bad path fails before any work."""
+    layout = layout or Layout()
+    the_plan = plan(corpus, layout, piece_bytes)
+    return (record for row in the_plan["pieces"]
+            for record in read_piece(the_plan, Piece.from_json(row), fields, layout, strict))

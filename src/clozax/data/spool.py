@@ -1,0 +1,176 @@
+"""Reading pieces into spools (in workers), deduplicating them in corpus order (here), and
+reading back what was kept: the first phase of ``clozax prepare`` and what the tokenizer reads.
+
+Per piece ``i`` (``data/pieces.py``), a worker writes to ``spool/``:
+- ``{i}.{split}.jsonl``: the piece's normalised, non-empty documents of each split (by the keyed
+  hash of their group), first copies within the piece only, in corpus order;
+- ``{i}.keys``: per document, its 16-byte digest, split and 64-bit group key;
+- ``{i}.read.json`` last: the piece's accounting; its presence marks the piece read.
+
+Then this process merges the pieces in corpus order (``Dedup``): a digest seen in an earlier
+piece makes a later copy a duplicate — so the first occurrence in the corpus wins, whatever the
+number of workers — and ``{i}.merge.json`` lists the dropped documents. Digests and group keys
+live in an on-disk SQLite set (``DiskSet``), so memory does not grow with the corpus. The merge
+is cheap (16 bytes per document), so resuming a killed prepare simply merges the read pieces
+again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from clozax.core import files
+from clozax.data.corpus import Accounting, DiskSet, clean
+from clozax.data.pieces import Piece, read_piece
+from clozax.data.readers import FieldNames, Layout
+from clozax.data.split import SPLITS, TRAIN, assign_split, group_key
+
+KEYS = np.dtype([("digest", "V16"), ("split", "u1"), ("group", "<u8")])
+_PLANS: dict[str, dict] = {}  # a worker reads the plan once
+
+
+def spool_path(tmp: Path, piece: int, split: str) -> Path:
+    return tmp / "spool" / f"{piece:05d}.{split}.jsonl"
+
+
+def _piece_file(tmp: Path, piece: int, what: str) -> Path:
+    return tmp / "spool" / f"{piece:05d}.{what}"
+
+
+def read_task(tmp: str, piece: int) -> None:
+    """Read, clean and split piece ``piece``; write its spools, keys and accounting."""
+    tmp = Path(tmp)
+    settings = files.read_json(tmp / "spool" / "settings.json")
+    if str(tmp) not in _PLANS:
+        _PLANS[str(tmp)] = files.read_json(tmp / "spool" / "plan.json")
+    the_plan = _PLANS[str(tmp)]
+    records = read_piece(the_plan, Piece.from_json(the_plan["pieces"][piece]),
+                         FieldNames(*settings["fields"]), Layout(*settings["layout"]),
+                         settings["strict"])
+    accounting, keys = Accounting(), bytearray()
+    spools = {split: spool_path(tmp, piece, split).open("w", encoding="utf-8")
+              for split in SPLITS}
+    for doc in clean(records, accounting):
+        group = group_key(doc.group, settings["seed"])
+        split = assign_split(group, settings["heldout_fraction"])
+        keys += bytes.fromhex(doc.id) + SPLITS.index(split).to_bytes(1, "little") + \
+            group.to_bytes(8, "little")
+        record = {"id": doc.id, "text": doc.text, "group": doc.group, "label": doc.label,
+                  "source": doc.source}  # asdict(doc), without its deep copies
+        spools[split].write(json.dumps(record, ensure_ascii=False) + "\n")
+    for f in spools.values():
+        f.close()
+    files.write_bytes(_piece_file(tmp, piece, "keys"), bytes(keys))
+    files.write_json(_piece_file(tmp, piece, "read.json"), asdict(accounting))
+
+
+def piece_read(tmp: Path, piece: int) -> bool:
+    return _piece_file(tmp, piece, "read.json").is_file()
+
+
+class Sample:
+    """The keyed sample of train documents the tokenizer may be trained on: the ``n`` whose
+    keyed hash of the id is smallest (ids are unique after dedup, so exactly ``n``).
+    Memory: ``n`` integers."""
+
+    def __init__(self, n: int | None, seed: int):
+        self.n, self.seed, self.heap = n, seed, []  # heap: the n smallest keys, negated
+
+    def key(self, doc_id: str) -> int:
+        key = b"tokenizer-sample" + self.seed.to_bytes(8, "little", signed=True)
+        return int.from_bytes(hashlib.blake2b(bytes.fromhex(doc_id), digest_size=8,
+                                              key=key).digest(), "little")
+
+    def offer(self, doc_id: str) -> None:
+        if self.n is None:
+            return
+        key = -self.key(doc_id)
+        if len(self.heap) <= self.n:
+            heapq.heappush(self.heap, key)
+        elif key > self.heap[0]:
+            heapq.heapreplace(self.heap, key)
+
+    def threshold(self) -> int | None:
+        """The largest key in the sample, or None to take every document."""
+        if self.n is None or len(self.heap) <= self.n:
+            return None
+        return -heapq.nsmallest(2, self.heap)[1]  # the n-th smallest of the n + 1 kept
+
+    def chosen(self, records: Iterator[dict], threshold: int | None) -> Iterator[str]:
+        """The texts of the sample (every text when ``threshold`` is None), in order."""
+        for record in records:
+            if threshold is None or self.key(record["id"]) <= threshold:
+                yield record["text"]
+
+
+class Dedup:
+    """Merges read pieces in corpus order (see the module docstring); one instance per run."""
+
+    def __init__(self, tmp: Path, sample: Sample):
+        path = tmp / "spool" / "sets.sqlite"
+        path.unlink(missing_ok=True)  # a killed run's half merge is redone from the start
+        self.tmp, self.path, self.sample = tmp, path, sample
+        self.sets = DiskSet(path, ("digests", *(f"{split}_groups" for split in SPLITS)))
+        self.accounting = Accounting()
+        self.docs = dict.fromkeys(SPLITS, 0)
+        self.shards: dict[str, list[int]] = {split: [] for split in SPLITS}
+
+    def merge(self, piece: int) -> None:
+        read = files.read_json(_piece_file(self.tmp, piece, "read.json"))
+        self.accounting.merge(Accounting(**read))
+        keys = np.frombuffer(_piece_file(self.tmp, piece, "keys").read_bytes(), KEYS)
+        drop: dict[str, list[int]] = {split: [] for split in SPLITS}
+        seen = dict.fromkeys(SPLITS, 0)
+        for digest, side, group in keys.tolist():
+            split = SPLITS[side]
+            if self.sets.add("digests", digest):
+                self.sets.add(f"{split}_groups", group.to_bytes(8, "little"))
+                if split == TRAIN:
+                    self.sample.offer(digest.hex())
+            else:
+                drop[split].append(seen[split])
+            seen[split] += 1
+        for split in SPLITS:
+            kept = seen[split] - len(drop[split])
+            self.accounting.kept -= len(drop[split])
+            self.accounting.duplicates += len(drop[split])
+            self.docs[split] += kept
+            if kept:
+                self.shards[split].append(piece)
+        files.write_json(_piece_file(self.tmp, piece, "merge.json"), {"drop": drop})
+
+    def close(self) -> dict[str, int]:
+        """Distinct groups per split; the set file is deleted."""
+        groups = {split: self.sets.count(f"{split}_groups") for split in SPLITS}
+        self.sets.close()
+        self.path.unlink()
+        return groups
+
+
+def kept_records(tmp: Path, split: str, pieces: list[int]) -> Iterator[dict]:
+    """The kept documents of ``split`` in the given pieces, in corpus order."""
+    for piece in pieces:
+        drop = set(files.read_json(_piece_file(tmp, piece, "merge.json"))["drop"][split])
+        with spool_path(tmp, piece, split).open(encoding="utf-8") as f:
+            for n, line in enumerate(f):
+                if n not in drop:
+                    yield json.loads(line)
+
+
+def train_task(tmp: str, pieces: list[int], threshold: int | None, seed: int,
+               options: dict) -> None:
+    """Train the tokenizer on the kept train documents (or their sample) and save it as
+    ``tokenizer.json.partial``."""
+    from clozax.data.tokenizer import train_tokenizer
+
+    tmp = Path(tmp)
+    texts = Sample(None, seed).chosen(kept_records(tmp, TRAIN, pieces), threshold)
+    tok = train_tokenizer(texts, **options)
+    tok.save(str(tmp / "tokenizer.json.partial"))
