@@ -13,6 +13,10 @@ documents, very long lines, very long unbroken runs (20 files of each), and many
         --tokenizer data/stdlib/tokenizer.json              # without tokenizer training
     .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --shapes 20   # seconds/MB ratios
     .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --workers-ratio 50
+    .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --text 1000 \
+        --tokenizer-sample 20000            # one 1 GB .txt file, by paragraph
+    .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --workers-ratio 50 --rounds 2 \
+        --baseline ../old/src          # and an older commit's prepare, side by side
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import argparse
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,19 +90,48 @@ def generate_shape(path: Path, shape: str, megabytes: float, seed: int = 0) -> P
     return path
 
 
-def run_prepare(corpus: str, out: Path, extra: list[str]) -> dict:
-    """One prepare subprocess: wall seconds, peak RSS (MiB) and the manifest."""
+def generate_text(path: Path, megabytes: float, seed: int = 0) -> int:
+    """One plain-text file of about ``megabytes`` MB: docstrings as blank-line separated
+    paragraphs, each with a serial number; returns the paragraph count."""
+    from clozax.data.readers import RawDocument
+    from clozax.data.stdlib import read_stdlib
+
+    pool = [r.text.replace("\n\n", "\n") for r in read_stdlib() if isinstance(r, RawDocument)]
+    rng = random.Random(seed)
+    target = int(megabytes * 1e6)
+    written = n = 0
+    with path.open("w", encoding="utf-8") as f:
+        while written < target:
+            piece = f"{rng.choice(pool)} ({n})\n\n"
+            f.write(piece)
+            written += len(piece.encode("utf-8"))
+            n += 1
+    return n
+
+
+def run_prepare(corpus: str, out: Path, extra: list[str], src: Path | None = None,
+                one_core: bool = False) -> dict:
+    """One prepare subprocess: wall seconds, peak RSS (MiB) and the manifest. ``src``: run the
+    clozax source tree there instead (a baseline checkout); ``one_core``: pinned to core 0."""
     cmd = [sys.executable, "-m", "clozax.cli", "prepare", "--corpus", corpus, "--out", str(out),
-           "--quiet", *extra]
+           *extra]
+    if one_core:
+        cmd = ["taskset", "-c", "0", *cmd]
+    env = os.environ if src is None else {**os.environ, "PYTHONPATH": str(src)}
+    shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**env, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    summary = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"prepare failed with exit code {proc.returncode}: {' '.join(cmd)}")
     manifest = json.loads((out / "manifest.json").read_text())
-    return {"seconds": seconds, "rss_mib": usage.ru_maxrss / 1024, "manifest": manifest}
+    phases = re.search(r"prepared in [\d.]+ s \((.*)\)", summary)  # older versions: none
+    return {"seconds": seconds, "rss_mib": usage.ru_maxrss / 1024, "manifest": manifest,
+            "phases": phases.group(1) if phases else ""}
 
 
 def report(name: str, size_mb: float | None, result: dict) -> None:
@@ -109,6 +144,8 @@ def report(name: str, size_mb: float | None, result: dict) -> None:
           f"{docs / s:>9,.0f} docs/s {tokens / s:>11,.0f} tokens/s "
           f"peak RSS {result['rss_mib']:>7.0f} MiB  packing {m['packing_efficiency']:.4f}",
           flush=True)
+    if result["phases"]:
+        print(f"    {result['phases']}", flush=True)
 
 
 def shapes(tmp: Path, megabytes: float, extra: list[str]) -> None:
@@ -129,18 +166,35 @@ def shapes(tmp: Path, megabytes: float, extra: list[str]) -> None:
               flush=True)
 
 
-def workers_ratio(tmp: Path, megabytes: float, extra: list[str]) -> None:
-    """tokens/s with --workers 2 over --workers 1 on one generated corpus."""
+def workers_ratio(tmp: Path, megabytes: float, extra: list[str], baseline: Path | None,
+                  rounds: int) -> None:
+    """tokens/s with --workers 2 over --workers 1 on one generated corpus; with ``baseline``
+    (another checkout's src/), that code too, on all cores and pinned to one, in alternating
+    rounds, so every ratio is of runs side by side on the same machine."""
     corpus = tmp / "workers.jsonl"
     generate_corpus(corpus, megabytes)
-    rate = {}
-    for workers in (1, 2):
-        result = run_prepare(str(corpus), tmp / f"ds-w{workers}", [*extra, "--workers",
-                                                                    str(workers)])
-        report(f"workers {workers}", corpus.stat().st_size / 1e6, result)
-        m = result["manifest"]
-        rate[workers] = sum(s["tokens"] for s in m["splits"].values()) / result["seconds"]
-    print(f"--workers 2 / --workers 1 tokens/s: {rate[2] / rate[1]:.2f}x", flush=True)
+    mb = corpus.stat().st_size / 1e6
+    runs = {"workers 1": ([*extra, "--workers", "1"], None, False),
+            "workers 2": ([*extra, "--workers", "2"], None, False)}
+    if baseline is not None:
+        runs["baseline"] = (extra, baseline, False)
+        runs["baseline 1 core"] = (extra, baseline, True)
+    rate: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (args, src, one_core) in runs.items():
+            result = run_prepare(str(corpus), tmp / "ds-ratio", args, src, one_core)
+            report(name, mb, result)
+            m = result["manifest"]
+            rate[name].append(sum(s["tokens"] for s in m["splits"].values()) /
+                              result["seconds"])
+    best = {name: max(r) for name, r in rate.items()}  # the least disturbed of the rounds
+    print(f"--workers 2 / --workers 1 tokens/s: {best['workers 2'] / best['workers 1']:.2f}x",
+          flush=True)
+    if baseline is not None:
+        for name in ("workers 1", "workers 2"):
+            print(f"{name} / baseline (all cores): {best[name] / best['baseline']:.2f}x; "
+                  f"/ baseline pinned to one core: {best[name] / best['baseline 1 core']:.2f}x",
+                  flush=True)
 
 
 def main() -> None:
@@ -158,6 +212,14 @@ def main() -> None:
                         help="compare input shapes of this size against normal text")
     parser.add_argument("--workers-ratio", type=float, default=None, metavar="MB",
                         help="compare --workers 2 with --workers 1 on a corpus of this size")
+    parser.add_argument("--text", type=float, default=None, metavar="MB",
+                        help="one plain-text file of this size, --text-unit paragraph")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="SRC",
+                        help="with --workers-ratio: also run the clozax in this src/ directory "
+                        "(e.g. a checkout of an older commit), on all cores and on one")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --workers-ratio: alternating rounds (the best of each kind "
+                        "counts)")
     args = parser.parse_args()
     extra = []
     if args.tokenizer is not None:
@@ -183,8 +245,19 @@ def main() -> None:
             corpus.unlink()
         if args.shapes is not None:
             shapes(tmp, args.shapes, extra)
+        if args.text is not None:
+            corpus = tmp / "one.txt"
+            n = generate_text(corpus, args.text)
+            print(f"generated {corpus.name}: {n:,} paragraphs", flush=True)
+            result = run_prepare(str(corpus), tmp / "ds-text",
+                                 ["--text-unit", "paragraph", *extra])
+            report("one .txt", corpus.stat().st_size / 1e6, result)
+            for split, s in result["manifest"]["splits"].items():
+                print(f"    {split}: {s['documents']:,} documents, {s['tokens']:,} tokens",
+                      flush=True)
+            corpus.unlink()
         if args.workers_ratio is not None:
-            workers_ratio(tmp, args.workers_ratio, extra)
+            workers_ratio(tmp, args.workers_ratio, extra, args.baseline, args.rounds)
 
 
 if __name__ == "__main__":

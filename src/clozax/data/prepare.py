@@ -143,16 +143,17 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
                          "manifest.json); remove it yourself or choose another --out")
     if config.tokenizer is not None:
         load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
+    started = time.perf_counter()
     layout = Layout(config.text_unit, config.group_by)
     pieces = plan(config.corpus, layout, config.shard_bytes)  # checks the path now
-    started = time.perf_counter()
+    seconds = {"plan": time.perf_counter() - started}  # per phase, for the summary only
     tmp = out.parent / f".{out.name}.partial-r{_resume_key(config)}"
     remove_stale_partials(out, keep=tmp)  # a killed run with other settings is not resumed
     claim_dir(tmp, "another prepare with the same settings")
     try:
         progress = _progress(quiet)
         with progress:
-            manifest = _build(config, pieces, tmp, progress)
+            manifest = _build(config, pieces, tmp, progress, seconds)
     except WorkerFailed:
         raise  # keep the finished shards for the next run
     except ValueError:  # bad input: nothing worth resuming
@@ -163,7 +164,7 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
         time.sleep(float(os.environ[_PAUSE_ENV]))
     publish_dir(tmp, out)
     if not quiet:
-        print_summary(manifest, console or Console(), time.perf_counter() - started)
+        print_summary(manifest, console or Console(), time.perf_counter() - started, seconds)
     return manifest
 
 
@@ -186,8 +187,10 @@ def _progress(quiet: bool) -> Progress:
     )
 
 
-def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress) -> dict:
+def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
+           seconds: dict[str, float]) -> dict:
     workers = Pool(config.workers or os.cpu_count() or 1)
+    clock = time.perf_counter()
     # 1. read, clean, split and spool the pieces; dedup in corpus order (skipped when a resumed
     #    run finished it)
     phase1 = files.read_json(tmp / "spool" / "done.json")
@@ -195,6 +198,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress)
         phase1 = _read_pieces(config, the_plan, tmp, progress, workers)
     accounting = Accounting(**phase1["accounting"])
     docs, groups, shards = phase1["docs"], phase1["groups"], phase1["shards"]
+    seconds["reading"], clock = time.perf_counter() - clock, time.perf_counter()
 
     # 2. tokenizer, frozen (written under a temporary name, so its presence means finished)
     tokenizer_path = tmp / "tokenizer.json"
@@ -213,6 +217,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress)
                 "seed": config.seed, "options": options}}])
             progress.advance(training)
         partial.rename(tokenizer_path)
+    seconds["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
     tok = load_tokenizer(tokenizer_path)
     specials = find_specials(tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -226,6 +231,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress)
     todo = [t for t in tasks if not result_path(tmp, t["args"]["split"], t["args"]["k"]).is_file()]
     progress.advance(packing, len(tasks) - len(todo))
     workers.run(todo, done=lambda i: progress.advance(packing))
+    seconds["packing"] = time.perf_counter() - clock
     split_stats, ids_sha256, index = {}, {}, {}
     keys = ("documents", "rows", "tokens", "chunks", "chunked_documents")
     for split in SPLITS:
@@ -368,7 +374,8 @@ def _check_corpus(config: PrepareConfig, accounting: Accounting,
                 "or seed")
 
 
-def print_summary(manifest: dict, console: Console, seconds: float | None = None) -> None:
+def print_summary(manifest: dict, console: Console, seconds: float | None = None,
+                  phases: dict[str, float] | None = None) -> None:
     """Accounting, per-split sizes, packing efficiency and tokenizer hash as one table."""
     d = manifest["documents"]
     console.print(f"documents: read {d['read']:,} = kept {d['kept']:,} + duplicates "
@@ -390,4 +397,5 @@ def print_summary(manifest: dict, console: Console, seconds: float | None = None
     console.print(f"tokenizer {t['model']} (trained on {t['trained_on']}{sample}), vocab "
                   f"{t['vocab_size']:,}, sha256 {t['sha256']}")
     if seconds is not None:
-        console.print(f"prepared in {seconds:.1f} s")
+        each = ", ".join(f"{k} {v:.1f} s" for k, v in (phases or {}).items())
+        console.print(f"prepared in {seconds:.1f} s" + (f" ({each})" if each else ""))
