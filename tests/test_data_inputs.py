@@ -128,8 +128,13 @@ def test_a_large_file_read_in_pieces_gives_the_records_of_reading_it_whole(tmp_p
     seps = ["\n\n", "\n \n\n", "\r\n\r\n", "\n\t\n", "\n"]  # the last: same paragraph
     text = "".join(_text(rng, rng.randint(1, 15)) + rng.choice(seps) for _ in range(300))
     (tmp_path / "big.txt").write_text(text + "end", newline="")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [_text(rng, 9) for _ in range(200)]}),
+                   tmp_path / "big.parquet", row_group_size=20)
     for name, layout in (("big.jsonl", Layout()), ("big.txt", Layout("paragraph")),
-                         ("big.txt", Layout("line"))):
+                         ("big.txt", Layout("line")), ("big.parquet", Layout())):
         whole, _ = _texts(tmp_path / name, layout)
         the_plan = plan(str(tmp_path / name), layout, 500)
         pieces = [Piece.from_json(p) for p in the_plan["pieces"]]

@@ -4,8 +4,9 @@ the data shards (a piece's kept documents of a split are packed into one shard).
 A piece is a run of consecutive whole files of about ``piece_bytes`` in all, or a byte range of
 one large uncompressed JSONL or text file (``--text-unit line`` or ``paragraph``), cut where a
 line (JSONL, line) or a paragraph (paragraph) ends, with the number of its first line so sources
-read ``file:line`` as when the whole file is read. Compressed, parquet and arrow files, and text
-files read as one document (``--text-unit file``), are never cut.
+read ``file:line`` as when the whole file is read, or a run of a large parquet file's row
+groups. Compressed and arrow files, and text files read as one document (``--text-unit file``),
+are never cut.
 
 The plan is a function of the corpus (its files, their sizes and the cut points in their bytes)
 and ``piece_bytes`` only, never of ``--workers``: so the output does not depend on how many
@@ -74,12 +75,15 @@ def plan(corpus: str, layout: Layout, piece_bytes: int) -> dict:
     first, held = 0, 0  # the run of whole files not yet made a piece, and its bytes
     for i, (path, size) in enumerate(zip(files, sizes, strict=True)):
         rule = _cut_rule(path, layout)
-        if rule is not None and size > piece_bytes:
-            if first < i:
-                pieces.append(Piece(first, i))
-            pieces += [Piece(i, i + 1, span) for span in _spans(path, size, piece_bytes, rule)]
-            first, held = i + 1, 0
-            continue
+        if size > piece_bytes and (rule is not None or file_kind(path)[0] == "parquet"):
+            spans = _spans(path, size, piece_bytes, rule) if rule else _row_groups(path,
+                                                                                   piece_bytes)
+            if len(spans) > 1:
+                if first < i:
+                    pieces.append(Piece(first, i))
+                pieces += [Piece(i, i + 1, span) for span in spans]
+                first, held = i + 1, 0
+                continue
         if held and held + size > piece_bytes:
             pieces.append(Piece(first, i))
             first, held = i, 0
@@ -123,6 +127,27 @@ def _spans(path: Path, size: int, piece_bytes: int, rule: re.Pattern) -> list[Sp
             data, base = data[counted:], base + counted
     ends = [start for start, _ in cuts[1:]] + [None]
     return [Span(start, end, first) for (start, first), end in zip(cuts, ends, strict=True)]
+
+
+def _row_groups(path: Path, piece_bytes: int) -> list[Span]:
+    """Runs of a parquet file's row groups of about ``piece_bytes`` compressed, with the number
+    of each run's first row (a file pyarrow cannot open stays whole: its reader skips it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception:  # pyarrow's own error types for a corrupt file
+        return [Span()]
+    spans, first, row, held, rows = [], 0, 1, 0, 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        size = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+        if held and held + size > piece_bytes:
+            spans.append(Span(first, g, row))
+            first, row, held, rows = g, row + rows, 0, 0
+        held, rows = held + size, rows + group.num_rows
+    spans.append(Span(first, meta.num_row_groups, row))
+    return spans if len(spans) > 1 else [Span()]
 
 
 def read_piece(the_plan: dict, piece: Piece, fields: FieldNames, layout: Layout,

@@ -88,7 +88,8 @@ class Layout:
 @dataclass(frozen=True)
 class Span:
     """Bytes ``[start, end)`` of a file (``end`` None: to its end), whose first line is number
-    ``line``: a piece of a large uncompressed file read by one worker."""
+    ``line``: a piece of a large uncompressed file read by one worker. For parquet, row groups
+    ``[start, end)`` whose first row is number ``line``."""
 
     start: int = 0
     end: int | None = None
@@ -141,10 +142,11 @@ def read_file(path: Path, rel: str, fields: FieldNames, layout: Layout,
     if kind == "text":
         yield from _read_text(path, rel, layout, span or Span())
         return
-    if kind == "jsonl":
-        rows = _read_jsonl(path, rel, fields, layout, span or Span())
+    if kind == "arrow":
+        rows = _read_arrow(path, rel, fields, layout)
     else:
-        rows = {"parquet": _read_parquet, "arrow": _read_arrow}[kind](path, rel, fields, layout)
+        rows = {"jsonl": _read_jsonl, "parquet": _read_parquet}[kind](path, rel, fields, layout,
+                                                                     span or Span())
     for record in rows:
         yield from split_long(record)
 
@@ -268,8 +270,8 @@ def _read_jsonl(path: Path, rel: str, fields: FieldNames, layout: Layout,
                    "the rest of the file is skipped")
 
 
-def _table_rows(batches, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
-    number = 0
+def _table_rows(batches, rel: str, fields: FieldNames, layout: Layout,
+                number: int = 0) -> Iterator[Record]:
     for batch in batches:
         for row in batch.to_pylist():
             number += 1
@@ -278,7 +280,10 @@ def _table_rows(batches, rel: str, fields: FieldNames, layout: Layout) -> Iterat
             yield _from_row(row, where, fields, group)
 
 
-def _read_parquet(path: Path, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
+def _read_parquet(path: Path, rel: str, fields: FieldNames, layout: Layout,
+                  span: Span) -> Iterator[Record]:
+    """Rows batch by batch; a piece's ``span`` counts row groups, not bytes, and its ``line``
+    is the number of its first row."""
     _, pq = _import_pyarrow(path)
     try:
         parquet = pq.ParquetFile(path)
@@ -290,8 +295,9 @@ def _read_parquet(path: Path, rel: str, fields: FieldNames, layout: Layout) -> I
         yield Skip(rel, f"lacks text column {fields.text!r}")
         return
     columns = [c for c in (fields.text, fields.group, fields.label) if c in present]
-    yield from _table_rows(parquet.iter_batches(batch_size=_ROW_BATCH, columns=columns), rel,
-                           fields, layout)
+    groups = None if span.whole else list(range(span.start, span.end))
+    batches = parquet.iter_batches(batch_size=_ROW_BATCH, columns=columns, row_groups=groups)
+    yield from _table_rows(batches, rel, fields, layout, span.line - 1)
 
 
 def _read_arrow(path: Path, rel: str, fields: FieldNames, layout: Layout) -> Iterator[Record]:
