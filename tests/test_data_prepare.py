@@ -198,6 +198,7 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     (tmp_path / "binary" / "a.txt").write_bytes(b"\x00\x01\x02")
     (tmp_path / "binary" / "b.txt").write_bytes(b"\xff\xfe")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
+    (tmp_path / "late.jsonl").write_text('{"text": "fine"}\n' * 40 + '{oops\n')
     (tmp_path / "exists").mkdir()
     c = ["--corpus", str(corpus), "--quiet", "--heldout-fraction", "0.2"]
     return {
@@ -207,6 +208,9 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "all binary": (["--corpus", str(tmp_path / "binary")], "a.txt: binary content"),
         "strict": (["--corpus", str(tmp_path / "bad.jsonl"), "--strict"],
                    "bad.jsonl:2: not valid JSON"),
+        "strict, in a worker": (["--corpus", str(tmp_path / "late.jsonl"), "--strict",
+                                 "--workers", "2", "--shard-bytes", "100"],
+                                "late.jsonl:41: not valid JSON"),
         "seq-len small": ([*c, "--seq-len", "4"], "--seq-len 4 is outside [8, 8192]"),
         "seq-len large": ([*c, "--seq-len", "9000"], "--seq-len 9000 is outside"),
         "vocab too small": ([*c, "--vocab-size", "12"], "--vocab-size 12 is too small"),
@@ -228,6 +232,7 @@ def test_cli_bad_inputs_exit_2_with_one_line_error(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("error: "), (name, captured.err)
         assert expected in lines[0].replace("\n", ""), (name, lines[0])
         assert name == "output exists" or not out.exists(), name
+        assert not list(tmp_path.glob(f".{out.name}.partial-*")), name  # nothing left behind
 
 
 @pytest.mark.slow
