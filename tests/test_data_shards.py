@@ -62,10 +62,13 @@ def test_row_array_indexes_like_the_concatenated_shards():
 @pytest.mark.slow
 def test_one_and_two_workers_write_byte_identical_shards_with_one_accounting(tmp_path):
     corpus = _corpus(tmp_path)
-    one = prepare(tmp_path / "w1", corpus=str(corpus), workers=1, quiet=True, **OPTIONS)
-    two = prepare(tmp_path / "w2", corpus=str(corpus), workers=2, quiet=True, **OPTIONS)
+    one = prepare(tmp_path / "w1", corpus=str(corpus), workers=1, quiet=True,
+                  tokenizer_sample=150, **OPTIONS)
+    two = prepare(tmp_path / "w2", corpus=str(corpus), workers=2, quiet=True,
+                  tokenizer_sample=150, **OPTIONS)
     assert len(one["shards"]["train"]) >= 6 and len(one["shards"]["heldout"]) >= 2
     assert _files(tmp_path / "w1") == _files(tmp_path / "w2")  # manifest included
+    assert two["tokenizer"]["sample"] == 150 < two["splits"]["train"]["documents"]
     d = two["documents"]
     assert d["read"] == d["kept"] + d["duplicates"] + d["skipped"] == 251
     assert d["duplicates"] == 10 and two["skip_reasons"] == {
@@ -145,7 +148,8 @@ def test_tokenizer_sample_is_exactly_n_documents_chosen_by_a_keyed_hash():
         sample = Sample(n, seed)
         for record in records:
             sample.offer(record["id"])
-        return list(sample.chosen(iter(records), sample.threshold()))
+        lines = (json.dumps(r) + "\n" for r in records)  # as the spool writes them
+        return list(sample.chosen(lines, sample.threshold()))
 
     texts = {seed: chosen(7, seed) for seed in (0, 1)}
     assert len(texts[0]) == len(texts[1]) == 7 and texts[0] != texts[1]

@@ -33,6 +33,9 @@ from clozax.data.readers import FieldNames, Layout
 from clozax.data.split import SPLITS, TRAIN, assign_split, group_key
 
 KEYS = np.dtype([("digest", "V16"), ("split", "u1"), ("group", "<u8")])
+# A spool line starts with its id: {"id": "<32 hex digits>", …
+ID_PREFIX = '{"id": "'
+ID_AT = slice(len(ID_PREFIX), len(ID_PREFIX) + 32)
 _PLANS: dict[str, dict] = {}  # a worker reads the plan once
 
 
@@ -103,11 +106,13 @@ class Sample:
             return None
         return -heapq.nsmallest(2, self.heap)[1]  # the n-th smallest of the n + 1 kept
 
-    def chosen(self, records: Iterator[dict], threshold: int | None) -> Iterator[str]:
-        """The texts of the sample (every text when ``threshold`` is None), in order."""
-        for record in records:
-            if threshold is None or self.key(record["id"]) <= threshold:
-                yield record["text"]
+    def chosen(self, lines: Iterator[str], threshold: int | None) -> Iterator[str]:
+        """The texts of the sample (every text when ``threshold`` is None), in order, from
+        spool lines; only the chosen ones are parsed (the id is at a fixed place)."""
+        for line in lines:
+            assert line.startswith(ID_PREFIX), line[:40]
+            if threshold is None or self.key(line[ID_AT]) <= threshold:
+                yield json.loads(line)["text"]
 
 
 class Dedup:
@@ -154,14 +159,19 @@ class Dedup:
         return groups
 
 
-def kept_records(tmp: Path, split: str, pieces: list[int]) -> Iterator[dict]:
-    """The kept documents of ``split`` in the given pieces, in corpus order."""
+def kept_lines(tmp: Path, split: str, pieces: list[int]) -> Iterator[str]:
+    """The spool lines of the kept documents of ``split`` in the given pieces, in corpus
+    order."""
     for piece in pieces:
         drop = set(files.read_json(_piece_file(tmp, piece, "merge.json"))["drop"][split])
         with spool_path(tmp, piece, split).open(encoding="utf-8") as f:
             for n, line in enumerate(f):
                 if n not in drop:
-                    yield json.loads(line)
+                    yield line
+
+
+def kept_records(tmp: Path, split: str, pieces: list[int]) -> Iterator[dict]:
+    return (json.loads(line) for line in kept_lines(tmp, split, pieces))
 
 
 def train_task(tmp: str, pieces: list[int], threshold: int | None, seed: int,
@@ -171,6 +181,6 @@ def train_task(tmp: str, pieces: list[int], threshold: int | None, seed: int,
     from clozax.data.tokenizer import train_tokenizer
 
     tmp = Path(tmp)
-    texts = Sample(None, seed).chosen(kept_records(tmp, TRAIN, pieces), threshold)
+    texts = Sample(None, seed).chosen(kept_lines(tmp, TRAIN, pieces), threshold)
     tok = train_tokenizer(texts, **options)
     tok.save(str(tmp / "tokenizer.json.partial"))
