@@ -60,8 +60,7 @@ from clozax.data.split import HELDOUT, SPLITS, TRAIN
 from clozax.data.spool import Dedup, Sample, piece_read
 from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer
 
-# Input bytes per piece, hence per data shard (at least: see pieces.MAX_PIECES): small enough
-# that a corpus spreads over the workers, large enough that shards are few.
+# Input bytes per piece, so per data shard (at least: see pieces.MAX_PIECES); speed only.
 SHARD_BYTES = 1 << 22
 SPEED_ONLY = ("workers", "overwrite")  # not in the resume key: they change no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
