@@ -68,3 +68,35 @@ def perturb_torch(model, seed: int):
         for p in model.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=gen))
     return model
+
+
+def assert_sparse_block_matches_full(params, config, batch: dict, tol: float):
+    """The sparse last block (``apply(positions=)``) gives the gathered full forward's hidden
+    states and parameter gradients within ``tol``; returns the sparse hidden states."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from clozax.core import model
+
+    args = (jnp.asarray(batch["inputs"]), jnp.asarray(batch["mask"]),
+            jnp.asarray(batch["segments"]))
+    positions = jnp.asarray(batch["positions"])
+
+    def full(p):
+        return model.gather(model.apply(p, config, *args), positions)
+
+    def sparse(p):
+        return model.apply(p, config, *args, positions=positions)
+
+    def loss(f):
+        return jax.jit(jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p)))))
+
+    a, b = jax.jit(full)(params), jax.jit(sparse)(params)
+    np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+    (la, ga), (lb, gb) = loss(full)(params), loss(sparse)(params)
+    np.testing.assert_allclose(lb, la, rtol=tol)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ga))
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(y, x, atol=tol * scale)
+    return b

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from clozax.core import attention, model, model_config
+from conftest import assert_sparse_block_matches_full
 
 VOCAB = 97
 BATCH, SEQ, COUNT = 3, 16, 4
@@ -304,28 +305,9 @@ def test_apply_at_positions_equals_the_gathered_full_apply(params, batch, name):
     positions) gives the gathered hidden states and their parameter gradients."""
     config = CONFIGS[name]
     params = params["post" if name.startswith("post") else "pre"]
-    args = (jnp.asarray(batch["inputs"]), jnp.asarray(batch["mask"]),
-            jnp.asarray(batch["segments"]))
-    positions = jnp.asarray(batch["positions"])
-
-    def full(p):
-        return model.gather(model.apply(p, config, *args), positions)
-
-    def sparse(p):
-        return model.apply(p, config, *args, positions=positions)
-
-    def loss(f):
-        return jax.jit(jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p)))))
-
     tol = 1e-5 if config.compute_dtype == "float32" else 2e-2
-    a, b = jax.jit(full)(params), jax.jit(sparse)(params)
+    b = assert_sparse_block_matches_full(params, config, batch, tol)
     assert b.shape == (BATCH, COUNT, config.hidden) and b.dtype == jnp.float32
-    np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
-    (la, ga), (lb, gb) = loss(full)(params), loss(sparse)(params)
-    np.testing.assert_allclose(lb, la, rtol=tol)
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ga))
-    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
-        np.testing.assert_allclose(y, x, atol=tol * scale)
 
 
 def test_apply_at_positions_rejects_misshaped_positions(params, batch):

@@ -13,6 +13,7 @@ import pytest
 
 from clozax.core import attention, model, model_config, pattern
 from clozax.core import positions as positions_lib
+from conftest import assert_sparse_block_matches_full
 
 VOCAB = 97
 BATCH, SEQ = 3, 48
@@ -183,27 +184,7 @@ def test_sparse_last_block_equals_the_full_forward_for_the_modern_model(params, 
                                                                          overrides):
     """The last layer of modern-tiny is local, so this covers the window, RoPE at the
     selected rows and GeGLU in the sparse block; values and parameter gradients agree."""
-    config = _config(**overrides)
-    args = (jnp.asarray(batch["inputs"]), jnp.asarray(batch["mask"]),
-            jnp.asarray(batch["segments"]))
-    positions = jnp.asarray(batch["positions"])
-
-    def full(p):
-        return model.gather(model.apply(p, config, *args), positions)
-
-    def sparse(p):
-        return model.apply(p, config, *args, positions=positions)
-
-    def loss(f):
-        return jax.jit(jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p)))))
-
-    a, b = jax.jit(full)(params), jax.jit(sparse)(params)
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
-    (la, ga), (lb, gb) = loss(full)(params), loss(sparse)(params)
-    np.testing.assert_allclose(lb, la, rtol=1e-5)
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ga))
-    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
-        np.testing.assert_allclose(y, x, atol=1e-5 * scale)
+    assert_sparse_block_matches_full(params, _config(**overrides), batch, tol=1e-5)
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [

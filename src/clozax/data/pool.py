@@ -75,18 +75,19 @@ def _run_one(task: dict, index: int) -> None:
 class Pool:
     """``workers`` cores for tasks: ``min(workers, tasks)`` processes, each with
     ``workers // processes`` tokenizer threads (so one task, e.g. training the tokenizer, gets
-    every thread). One process with one thread, or with every core's thread, is this one."""
+    every thread). One process with one thread, or with every core's thread, is this one;
+    ``inline`` keeps every task here (for work too small to pay for starting processes)."""
 
-    def __init__(self, workers: int):
-        self.workers = workers
+    def __init__(self, workers: int, inline: bool = False):
+        self.workers, self.inline = workers, inline
 
     def run(self, tasks: list[dict], done: Callable[[int], None] = lambda i: None) -> None:
         if not tasks:
             return
-        processes = min(self.workers, len(tasks))
+        processes = 1 if self.inline else min(self.workers, len(tasks))
         threads = self.workers // processes
         parallel = {"TOKENIZERS_PARALLELISM": "true" if threads > 1 else "false"}
-        if processes == 1 and (threads == 1 or threads >= (os.cpu_count() or 1)):
+        if self.inline or processes == 1 and (threads == 1 or threads >= (os.cpu_count() or 1)):
             with environment(parallel):  # a thread count can't be set in a running process
                 for i, task in enumerate(tasks):
                     _run_one(task, i)

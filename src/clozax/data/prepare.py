@@ -60,7 +60,7 @@ from clozax.data.split import HELDOUT, SPLITS, TRAIN
 from clozax.data.spool import Dedup, Sample, piece_read
 from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer
 
-# Input bytes per piece, so per data shard (at least: see pieces.MAX_PIECES); speed only.
+# Input bytes per piece, so per data shard (at least: see pieces.MAX_PIECES).
 SHARD_BYTES = 1 << 22
 SPEED_ONLY = ("workers", "overwrite")  # not in the resume key: they change no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
@@ -188,7 +188,7 @@ def _progress(quiet: bool) -> Progress:
 
 def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
            seconds: dict[str, float]) -> dict:
-    workers = Pool(config.workers or os.cpu_count() or 1)
+    workers = Pool(config.workers or os.cpu_count() or 1, inline=len(the_plan["pieces"]) == 1)
     clock = time.perf_counter()
     # 1. read, clean, split and spool the pieces; dedup in corpus order (skipped when a resumed
     #    run finished it)
