@@ -100,3 +100,19 @@ def assert_sparse_block_matches_full(params, config, batch: dict, tol: float):
     for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
         np.testing.assert_allclose(y, x, atol=tol * scale)
     return b
+
+
+def two_document_batch(vocab: int, lengths, count: int, seed: int = 0) -> dict:
+    """Right-padded rows of ``lengths`` real tokens (the longest fills the row), two packed
+    documents each (segments 1 then 2, 0 on padding), ``count`` distinct selected positions
+    per row."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    seq = int(max(lengths))
+    inputs = rng.integers(0, vocab, size=(len(lengths), seq), dtype=np.int32)
+    mask = np.arange(seq)[None, :] < lengths[:, None]
+    segments = np.where(np.arange(seq)[None, :] < lengths[:, None] // 2, 1, 2)
+    segments = np.where(mask, segments, 0).astype(np.int32)
+    positions = np.stack([rng.choice(n, count, replace=False) for n in lengths]).astype(np.int32)
+    return {"inputs": inputs, "mask": mask, "segments": segments, "positions": positions}

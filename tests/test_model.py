@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from clozax.core import attention, model, model_config
-from conftest import assert_sparse_block_matches_full
+from conftest import assert_sparse_block_matches_full, two_document_batch
 
 VOCAB = 97
 BATCH, SEQ, COUNT = 3, 16, 4
@@ -33,14 +33,7 @@ def _forward(config):
 
 @pytest.fixture(scope="module")
 def batch():
-    rng = np.random.default_rng(0)
-    inputs = rng.integers(0, VOCAB, size=(BATCH, SEQ), dtype=np.int32)
-    mask = np.arange(SEQ)[None, :] < LENGTHS[:, None]
-    # Two packed documents per row where it fits: doc 1 then doc 2, 0 on padding.
-    segments = np.where(np.arange(SEQ)[None, :] < LENGTHS[:, None] // 2, 1, 2)
-    segments = np.where(mask, segments, 0).astype(np.int32)
-    positions = np.stack([rng.choice(n, COUNT, replace=False) for n in LENGTHS]).astype(np.int32)
-    return {"inputs": inputs, "mask": mask, "segments": segments, "positions": positions}
+    return two_document_batch(VOCAB, LENGTHS, COUNT)
 
 
 # One compiled forward per configuration, shared by every test in the module.

@@ -11,6 +11,7 @@ is what a resumed prepare looks for.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -24,7 +25,6 @@ from clozax.data.tokenizer import find_specials
 
 ENCODE_BATCH = 1024  # documents per encode_batch call; speed only
 ENCODE_BATCH_CHARS = 1 << 18  # and at most this many characters; memory only
-_TOKENIZERS: dict[str, Tokenizer] = {}  # one per process: memory stays flat
 
 
 def result_path(tmp: Path, split: str, k: int) -> Path:
@@ -45,13 +45,14 @@ def _batches(records: Iterator[dict]) -> Iterator[list[dict]]:
         yield batch
 
 
+@lru_cache(maxsize=1)  # loaded once per process: memory stays flat across shards
+def _tokenizer(path: str) -> Tokenizer:
+    return Tokenizer.from_file(path)
+
+
 def pack_task(tmp: str, split: str, k: int, piece: int, seq_len: int) -> None:
-    path = str(Path(tmp) / "tokenizer.json")
-    if path not in _TOKENIZERS:
-        _TOKENIZERS.clear()
-        _TOKENIZERS[path] = Tokenizer.from_file(path)
     pack_shard(Path(tmp), split, k, kept_records(Path(tmp), split, [piece]), seq_len,
-               _TOKENIZERS[path])
+               _tokenizer(str(Path(tmp) / "tokenizer.json")))
 
 
 def pack_shard(tmp: Path, split: str, k: int, records: Iterator[dict], seq_len: int,

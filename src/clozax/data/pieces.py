@@ -159,8 +159,7 @@ def read_piece(the_plan: dict, piece: Piece, fields: FieldNames, layout: Layout,
 
     def records() -> Iterator[Record]:
         for path, rel in files[piece.first : piece.stop]:
-            yield from read_file(Path(path), rel, fields, layout,
-                                 None if piece.span.whole else piece.span)
+            yield from read_file(Path(path), rel, fields, layout, piece.span)
 
     return guard(records(), strict)
 

@@ -350,7 +350,7 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
     accounting.check()
     _check_corpus(config, accounting, groups)
     phase1 = {"accounting": asdict(accounting), "docs": dedup.docs, "groups": groups,
-              "shards": dedup.shards, "pieces": n, "sample_threshold": sample.threshold()}
+              "shards": dedup.shards, "sample_threshold": sample.threshold()}
     files.write_json(tmp / "spool" / "done.json", phase1)
     return phase1
 

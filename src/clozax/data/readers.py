@@ -100,6 +100,7 @@ class Span:
         return self.start == 0 and self.end is None
 
 
+WHOLE = Span()  # a whole file
 Record = RawDocument | Skip
 
 
@@ -135,18 +136,18 @@ def relative_name(path: Path, base: Path) -> str:
 
 
 def read_file(path: Path, rel: str, fields: FieldNames, layout: Layout,
-              span: Span | None = None) -> Iterator[Record]:
+              span: Span = WHOLE) -> Iterator[Record]:
     """Every record of one file, or of the byte range ``span`` of an uncompressed JSONL or
     text file (``data/pieces.py`` chooses the ranges at line or paragraph ends)."""
     kind = file_kind(path)[0]
     if kind == "text":
-        yield from _read_text(path, rel, layout, span or Span())
+        yield from _read_text(path, rel, layout, span)
         return
     if kind == "arrow":
         rows = _read_arrow(path, rel, fields, layout)
     else:
         rows = {"jsonl": _read_jsonl, "parquet": _read_parquet}[kind](path, rel, fields, layout,
-                                                                     span or Span())
+                                                                     span)
     for record in rows:
         yield from split_long(record)
 

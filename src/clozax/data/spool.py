@@ -22,6 +22,7 @@ import heapq
 import json
 from collections.abc import Iterator
 from dataclasses import asdict
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,6 @@ KEYS = np.dtype([("digest", "V16"), ("split", "u1"), ("group", "<u8")])
 # A spool line starts with its id: {"id": "<32 hex digits>", …
 ID_PREFIX = '{"id": "'
 ID_AT = slice(len(ID_PREFIX), len(ID_PREFIX) + 32)
-_PLANS: dict[str, dict] = {}  # a worker reads the plan once
 
 
 def spool_path(tmp: Path, piece: int, split: str) -> Path:
@@ -47,13 +47,16 @@ def _piece_file(tmp: Path, piece: int, what: str) -> Path:
     return tmp / "spool" / f"{piece:05d}.{what}"
 
 
+@lru_cache(maxsize=1)  # a worker reads them once, not once per piece
+def _setup(tmp: str) -> tuple[dict, dict]:
+    return (files.read_json(Path(tmp) / "spool" / "plan.json"),
+            files.read_json(Path(tmp) / "spool" / "settings.json"))
+
+
 def read_task(tmp: str, piece: int) -> None:
     """Read, clean and split piece ``piece``; write its spools, keys and accounting."""
+    the_plan, settings = _setup(tmp)
     tmp = Path(tmp)
-    settings = files.read_json(tmp / "spool" / "settings.json")
-    if str(tmp) not in _PLANS:
-        _PLANS[str(tmp)] = files.read_json(tmp / "spool" / "plan.json")
-    the_plan = _PLANS[str(tmp)]
     records = read_piece(the_plan, Piece.from_json(the_plan["pieces"][piece]),
                          FieldNames(*settings["fields"]), Layout(*settings["layout"]),
                          settings["strict"])

@@ -126,13 +126,7 @@ class Family:
         c = model_config
         pad = int(specials["pad"])
         return {
-            "architectures": [self.mlm if with_head else self.encoder],
-            "model_type": self.model_type,
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden,
-            "num_hidden_layers": c.layers,
-            "num_attention_heads": c.heads,
-            "intermediate_size": c.intermediate,
+            **shape_config(self, c, with_head),
             "max_position_embeddings": c.max_positions + self.position_offset(pad),
             "hidden_act": "gelu",  # exact erf, as clozax computes it
             # clozax pretrains without dropout; set these to 0.1 for BERT-style fine-tuning.
@@ -248,3 +242,18 @@ def _put(tree, path, value):
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def shape_config(family, model_config, with_head: bool) -> dict:
+    """The keys every family's ``config.json`` starts with: its classes and the model's
+    shape (``family`` has ``mlm``, ``encoder`` and ``model_type``)."""
+    c = model_config
+    return {
+        "architectures": [family.mlm if with_head else family.encoder],
+        "model_type": family.model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "intermediate_size": c.intermediate,
+    }

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from clozax.interop.family import shape_config
 from clozax.interop.hf_files import config_int
 
 HF_LAYER = "layers.{i}."
@@ -127,13 +128,7 @@ class ModernBertFamily:
         layer_types = ["full_attention" if c.is_global(i) else "sliding_attention"
                        for i in range(c.layers)]
         return {
-            "architectures": [self.mlm if with_head else self.encoder],
-            "model_type": self.model_type,
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden,
-            "num_hidden_layers": c.layers,
-            "num_attention_heads": c.heads,
-            "intermediate_size": c.intermediate,
+            **shape_config(self, c, with_head),
             "max_position_embeddings": c.max_positions,
             "hidden_activation": "gelu",  # exact erf, as clozax computes it
             "classifier_activation": "gelu",
