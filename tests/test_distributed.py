@@ -1,7 +1,9 @@
 """Several processes, one run (JAX's multi-controller runtime, gloo collectives on CPU).
 
 One test (the launches dominate its time), several launches of the real CLI on localhost:
-2 processes x 2 simulated devices against 1 process x 4 devices, a process killed mid-run, and
+2 processes x 2 simulated devices against 1 process x 4 devices; the job preempted (SIGTERM
+to one process: both save the same step), then one process killed at a sampled instant, then
+resumed, bitwise; a process that raises ends the job; a ``--minutes`` budget kept by both;
 checkpoints moved between the two topologies, with and without fsdp.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 
+import faults
 from clozax.train.run_dir import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +35,9 @@ TRAIN = ["--preset", "tiny", "--steps", str(STEPS), "--set", "train.batch_size=8
 HEARTBEAT_SECONDS = 5
 EXIT_BOUND_SECONDS = 60  # a survivor must exit within this after its peer is killed
 
-# Each process records every file write it makes (the run's files must come from process 0).
-RECORDING = """
+# Each process records every file write it makes (the run's files must come from process 0),
+# with the fault hooks of tests/faults.py.
+RECORDING = faults.HOOKS + """
 import os, sys
 from clozax.core import files
 from clozax.train import observe
@@ -63,13 +68,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(data, out, processes: int, *extra, writes: Path | None = None):
+def _launch(data, out, processes: int, *extra, writes: Path | None = None,
+            env: dict | None = None, train: list[str] = TRAIN):
     """Start the job; returns the list of Popen (one per process)."""
     devices = 4 // processes
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "CLOZAX_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
-           "CLOZAX_TEST_WRITES": str(writes or out.parent / f"{out.name}-writes")}
-    argv = ["train", "--data", str(data), "--out", str(out), *TRAIN, *extra]
+           "CLOZAX_TEST_WRITES": str(writes or out.parent / f"{out.name}-writes"),
+           **(env or {})}
+    argv = ["train", "--data", str(data), "--out", str(out), *train, *extra]
     port = _free_port()
     procs = []
     for i in range(processes):
@@ -134,13 +141,30 @@ def test_two_processes_train_as_one_and_survive_faults_and_topology_changes(stdl
     assert (tmp_path / "2x2-fsdp-writes-0").read_text().count("metrics.jsonl") == STEPS
     assert not (tmp_path / "2x2-fsdp-writes-1").exists()
 
-    # One process killed: the other exits non-zero within the bound; the same launch resumes
-    # and ends bitwise equal to the uninterrupted 2-process run.
+    # Preempted: SIGTERM to process 1 alone reaches both through JAX's preemption service;
+    # both save the same step, exit 143. Then process 1 SIGKILLed at a sampled instant: the
+    # other exits non-zero within the bound. The same launch resumes and ends bitwise equal
+    # to the uninterrupted 2-process run.
     killed = tmp_path / "killed"
-    procs = _launch(stdlib_data, killed, 2, "--set", "train.fsdp=true")
-    deadline = time.time() + 240
-    while time.time() < deadline and not (killed / "checkpoint_digests" / "4.json").exists():
-        time.sleep(0.05)
+    slow = {"CLOZAX_TEST_STEP_SECONDS": "0.3", "CLOZAX_HOST_MALLOC": "default"}
+    procs = _launch(stdlib_data, killed, 2, "--set", "train.fsdp=true", env=slow)
+    assert faults.wait_for(procs[0], lambda: bool(faults.logged_steps(killed)), 240)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [143, 143], outputs[0][-3000:]
+    stopped = [line for line in outputs[0].splitlines() if line.startswith("stopped:")]
+    step = int(stopped[0].split(" at step ")[1].split(":")[0])
+    assert faults.steps_dirs(killed)[-1] == step < STEPS
+    rng = random.Random(25)  # the instant: during the save of a sampled step, or after it
+    at = rng.choice([s for s in range(step + 1, STEPS) if s % 2 == 0])
+    during = rng.random() < 0.5
+    ck = killed / "checkpoints"
+    instant = (lambda: any(int(p.name.split(".")[0]) == at
+                           for p in ck.glob("*orbax-checkpoint-tmp*"))) if during else \
+        (lambda: (killed / "checkpoint_digests" / f"{at}.json").exists())
+    procs = _launch(stdlib_data, killed, 2, "--set", "train.fsdp=true",
+                    env={**slow, "CLOZAX_TEST_SAVE_SECONDS": "0.5"})
+    assert faults.wait_for(procs[0], instant, 240)
     assert all(p.poll() is None for p in procs), "the job finished before it could be killed"
     procs[1].send_signal(signal.SIGKILL)
     killed_at = time.time()
@@ -150,6 +174,28 @@ def test_two_processes_train_as_one_and_survive_faults_and_topology_changes(stdl
     procs[1].communicate()
     _run(stdlib_data, killed, 2, "--set", "train.fsdp=true")
     assert np.array_equal(_flat(killed), _flat(two))
+    assert sorted(_losses(killed)) == list(range(1, STEPS + 1))  # each step logged once
+
+    # A process that raises (an injected error on process 1) ends the whole job in seconds.
+    failing = tmp_path / "failing"
+    procs = _launch(stdlib_data, failing, 2, env={"CLOZAX_TEST_FAIL_AT": "1:3"})
+    said = procs[1].communicate(timeout=240)[0]
+    failed_at = time.time()
+    procs[0].communicate(timeout=EXIT_BOUND_SECONDS + 30)
+    failed_in = time.time() - failed_at
+    assert procs[1].returncode == 2 and "error: injected failure at step 3" in said, said
+    assert procs[0].returncode != 0 and failed_in < EXIT_BOUND_SECONDS
+
+    # --minutes: process 0 measures, both train the same steps, within the budget.
+    budget = tmp_path / "budget"
+    started = time.time()
+    procs = _launch(stdlib_data, budget, 2, "--minutes", "0.6",
+                    train=[a for a in TRAIN if a not in ("--steps", str(STEPS))])
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    took = time.time() - started
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:]
+    planned = load_run(budget).config.train.steps
+    assert load_run(budget).step == planned and took < 0.6 * 60 * 1.1, took
 
     # A 2-process checkpoint resumes on 1 process, and a 1-process one on 2 processes (without
     # fsdp: the 2-process steps of this one cover the replicated layout).
@@ -164,5 +210,7 @@ def test_two_processes_train_as_one_and_survive_faults_and_topology_changes(stdl
         a, b = (json.loads((r / "metrics.jsonl").read_text().splitlines()[-1])["eval"]
                 for r in (source, moved))
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5 and a["count"] == b["count"]
-    print(f"survivor exited {survivor_exit:.1f} s after its peer was killed "
-          f"(heartbeat {HEARTBEAT_SECONDS} s)")
+    print(f"process 1 killed {'during the save' if during else 'after the digest'} of step "
+          f"{at}: survivor exited {survivor_exit:.1f} s later; the peer of a "
+          f"failing process {failed_in:.1f} s after it (heartbeat {HEARTBEAT_SECONDS} s); "
+          f"2-process --minutes 0.6 took {took:.1f} s for {planned} steps")

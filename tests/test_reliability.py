@@ -119,21 +119,36 @@ def test_strict_json_never_holds_nan(tmp_path):
 # --------------------------------------------------------------------------- checkpoints
 
 
-def test_disk_full_during_a_save_is_one_line_and_leaves_no_temporary(tiny_run_copy, monkeypatch):
-    def full_disk(self, *args, **kwargs):
-        raise ValueError("RESOURCE_EXHAUSTED: write failed: No space left on device")
+def _save_failing_with(error, run, monkeypatch) -> str:
+    """Step 7 saved with orbax's write raising ``error``; returns the one-line message."""
 
-    monkeypatch.setattr(ocp.handlers.StandardCheckpointHandler, "async_save", full_disk)
-    checkpointer = ckpt.Checkpointer(tiny_run_copy)
-    state, _ = checkpointer.restore(6, abstract_state(load_run(tiny_run_copy).config))
-    with pytest.raises(ckpt.CheckpointError) as error:
+    def failing(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ocp.handlers.StandardCheckpointHandler, "async_save", failing)
+    checkpointer = ckpt.Checkpointer(run)
+    state, _ = checkpointer.restore(6, abstract_state(load_run(run).config))
+    with pytest.raises(ckpt.CheckpointError) as raised:
         checkpointer.save(7, state, {"step": 7})
     checkpointer.close()
-    message = str(error.value)
+    return str(raised.value)
+
+
+def test_disk_full_during_a_save_is_one_line_and_leaves_no_temporary(tiny_run_copy, monkeypatch):
+    message = _save_failing_with(
+        ValueError("RESOURCE_EXHAUSTED: write failed: No space left on device"),
+        tiny_run_copy, monkeypatch)
     assert "RESOURCE_EXHAUSTED" in message and "MiB free" in message and "\n" not in message
     assert str(tiny_run_copy / "checkpoints") in message and "step 6" in message
     assert list((tiny_run_copy / "checkpoints").glob("*orbax-checkpoint-tmp*")) == []
     assert load_run(tiny_run_copy).step == 6
+
+
+def test_a_failed_save_names_its_real_cause_not_the_disk(tiny_run_copy, monkeypatch):
+    message = _save_failing_with(PermissionError(13, "Permission denied"), tiny_run_copy,
+                                 monkeypatch)
+    assert "Permission denied (EACCES)" in message and "free disk space" not in message
+    assert "fix the cause" in message and "step 6) is intact" in message
 
 
 def test_a_failing_metric_writer_does_not_hide_the_error_that_stopped_training(

@@ -1,19 +1,26 @@
 """The ``clozax`` command line. It only parses arguments and calls library functions.
 
 Errors: bad arguments and any ``ValueError`` from the library print one line
-(``error: ...``) and exit 2; ``--debug`` (anywhere on the line) shows the traceback instead.
+(``error: ...``) and exit 2; ``--debug`` (anywhere on the line) shows the traceback instead; a
+training stopped by a signal exits ``128 + signal`` after its checkpoint.
+
+Longer than 400 lines because every command's options and their help texts are declared here,
+in one place, as typer reads them; the functions hold no logic beyond parsing.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from typer.exceptions import TyperException
 
-from clozax.train import compile_cache, hostmem
+from clozax.train import compile_cache, distributed, hostmem
+from clozax.train.interrupts import EXIT_CODES, Interrupted
 
 app = typer.Typer(
     name="clozax",
@@ -96,6 +103,9 @@ def prepare(
         help="Input bytes per piece (one worker's task, one data shard).")] = 1 << 22,
     workers: Annotated[int | None, typer.Option(
         help="Cores to use (default: all); the output is the same for any number.")] = None,
+    discard_partial: Annotated[bool, typer.Option(
+        help="Delete an unfinished prepare of --out with other settings (kept otherwise).")
+    ] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
 ):
     """Read a corpus, split it by document group, train a frozen tokenizer, pack rows."""
@@ -149,8 +159,6 @@ def train(
 ):
     """Pretrain an encoder with masked language modelling on a prepared dataset."""
     hostmem.keep_freed_memory()  # before JAX starts: see clozax.train.hostmem
-    from clozax.train import distributed
-
     if distributed_ not in (None, "auto"):
         raise ValueError(f"--distributed {distributed_!r} is unknown; use --distributed auto or "
                          "give --coordinator/--num-processes/--process-id")
@@ -364,15 +372,39 @@ def demo(
         raise SystemExit(1)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2, label: str = "error") -> None:
     from rich.console import Console
 
-    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", soft_wrap=True)
-    raise SystemExit(2)
+    Console(stderr=True, highlight=False).print(f"[bold red]{label}:[/] {message}",
+                                                soft_wrap=True)
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: one-line errors with exit code 2 unless ``--debug`` is given."""
+    """Entry point: one-line errors with exit code 2 unless ``--debug`` is given; a run stopped
+    by a signal exits ``128 + signal`` (143 SIGTERM, 130 SIGINT) after its checkpoint. In a
+    multi-process job a process that fails leaves at once (``os._exit``), without JAX's
+    shutdown barrier, so the others' heartbeat ends the job in seconds instead of a hang."""
+    try:
+        _main(argv)
+    except SystemExit as e:
+        if e.code not in (0, None) and distributed.joined():
+            _leave(e.code if isinstance(e.code, int) else 1)
+        raise
+    except BaseException:
+        if distributed.joined():
+            traceback.print_exc()
+            _leave(1)
+        raise
+
+
+def _leave(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -380,8 +412,11 @@ def main(argv: list[str] | None = None) -> None:
         app(args=argv, prog_name="clozax", standalone_mode=False)
     except typer.Exit as e:  # --help and friends
         raise SystemExit(e.exit_code) from None
-    except typer.Abort:
-        _fail("interrupted")
+    except typer.Abort:  # Ctrl-C outside training's own handling (which saves first)
+        _fail("interrupted (Ctrl-C); what was finished is kept: run the same command to "
+              "continue", code=EXIT_CODES["SIGINT"])
+    except Interrupted as e:
+        _fail(str(e), code=e.exit_code, label="stopped")
     except TyperException as e:  # usage errors: unknown option, bad value, missing argument
         if debug:
             raise

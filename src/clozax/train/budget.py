@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from clozax.train import checkpoint as ckpt
-from clozax.train import heldout
+from clozax.train import distributed, heldout
 
 WARMUP_STEPS, TIMED_STEPS = 2, 5  # measured on the throwaway copy after its compiling call
 REVISE_AT = (0.25, 0.4, 0.55, 0.7, 0.85)  # fractions of the budget at which to re-estimate
@@ -71,17 +71,24 @@ def steps_for_budget(config, started: float, state, step_fn, device_batch, mask_
     evaluate(probe.params, masks, sample)
     eval_s = time.perf_counter() - t0
 
+    # A save is collective (every process writes its shards, orbax commits once), so every
+    # process times the same save into one scratch directory, which process 0 alone clears.
     scratch = Path(run_dir).parent / f".{Path(run_dir).name}.budget-probe"
-    shutil.rmtree(scratch, ignore_errors=True)
+    primary = distributed.is_primary()
+    if primary:
+        shutil.rmtree(scratch, ignore_errors=True)
+    distributed.barrier("clozax-budget-probe-start")
     t0 = time.perf_counter()
-    checkpointer = ckpt.Checkpointer(scratch, keep=1)
+    checkpointer = ckpt.Checkpointer(scratch, keep=1, primary=primary)
     try:
         checkpointer.save(1, probe, {"probe": True})
         checkpointer.wait()
     finally:
         checkpointer.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     save_s = time.perf_counter() - t0
+    distributed.barrier("clozax-budget-probe-end")
+    if primary:
+        shutil.rmtree(scratch, ignore_errors=True)
 
     budget_s = 60 * t.minutes
     per_step = step_s + eval_s / t.eval_every + save_s / t.save_every

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 from clozax.core import files
 from clozax.core import model as model_lib
-from clozax.core.model_config import runnable_here
 from clozax.core.pipeline import (
     Keys,
     TrainState,
@@ -40,10 +40,12 @@ from clozax.train import config as config_lib
 from clozax.train import distributed, heldout, hostmem
 from clozax.train.budget import Budget, process_started, steps_for_budget
 from clozax.train.config import RunConfig, schedule_length
+from clozax.train.interrupts import Interrupted, Interrupts
 from clozax.train.mesh import (
     from_host,
     global_batch,
     make_mesh,
+    place,
     process_rows,
     state_shardings,
 )
@@ -51,8 +53,8 @@ from clozax.train.observe import TrainLog
 from clozax.train.run_dir import (
     CONFIG_FILE,
     TOKENIZER_FILE,
-    check_compatible,
-    load_run,
+    lock_run,
+    resolve_run,
     write_run_files,
 )
 from clozax.train.step import make_train_step
@@ -93,6 +95,10 @@ def train(
 ) -> TrainResult:
     """Train ``config`` on the dataset at ``data_dir`` into ``run_dir``.
 
+    Stages: take the run's lock (one writer) and its signals → data and config → init →
+    budget → checkpoints, run files and eval masks → restore → loop (sync points, evaluation,
+    saves; a signal saves the step it stopped at and raises ``Interrupted``) → finish.
+
     Resume order: read the saved config and check it against this one → rebuild the same
     optimizer and step → restore (params, opt_state, step) from the newest intact checkpoint →
     batches continue at index ``step`` (a pure function of the step) with mask keys
@@ -109,43 +115,26 @@ def train(
     checkpoint ever holds a diverged model; saves are written in the background.
     """
     started = process_started()  # a --minutes budget covers the whole command
+    run_dir = Path(run_dir)
+    primary = distributed.is_primary()  # the process that writes files and reports
+    log = TrainLog(run_dir, console=console, enabled=primary)
+    with ExitStack() as held:  # the run's lock and signal handlers, for the whole run
+        lock_run(held, run_dir, primary, log.info)
+        interrupts = held.enter_context(Interrupts(jax.process_count(), say=log.info))
+        return _train(data_dir, run_dir, config, init_from, extend_to, stop_after, started,
+                      primary, log, interrupts)
 
+
+def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, stop_after,
+           started: float, primary: bool, log: TrainLog,
+           interrupts: Interrupts) -> TrainResult:
     # --- data and the run's config
     dataset = open_dataset(data_dir)
     config = config.replace(model=replace(config.model, vocab_size=dataset.vocab_size))
-    run_dir = Path(run_dir)
-    existing = (run_dir / CONFIG_FILE).is_file()
     # Every process of a job reads the run directory before the first one writes to it.
+    config, existing, extending, init_run = resolve_run(run_dir, config, dataset, init_from,
+                                                         extend_to, log.info)
     distributed.barrier("clozax-train-start")
-    primary = distributed.is_primary()  # the process that writes files and reports
-    init_run, extending = None, False
-    log = TrainLog(run_dir, console=console, enabled=primary)
-    if existing:
-        config, extending = check_compatible(run_dir, config, dataset, extend_to)
-        here = runnable_here(config.model)
-        if here != config.model:
-            log.info(f"model.attention={config.model.attention!r} cannot run on this machine; "
-                     f"using {here.attention!r} (the same maths)")
-            config = config.replace(model=here)
-    else:
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise ValueError(
-                f"output directory {run_dir} exists and is not a clozax run; choose a new --out"
-            )
-        if extend_to is not None:
-            raise ValueError(f"--extend-to needs an existing run in {run_dir}; train it first")
-        if init_from is not None:
-            init_run = load_run(init_from)
-            if init_run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
-                raise ValueError(
-                    f"--init-from {init_from} uses a different tokenizer than dataset {data_dir}"
-                    f"; prepare the data with `clozax prepare --tokenizer {init_from}/"
-                    "tokenizer.json`"
-                )
-            config = replace(config, model=init_run.config.model)
-        if runnable_here(config.model) != config.model:
-            raise ValueError(f"model.attention={config.model.attention!r} needs an NVIDIA GPU "
-                             f"(this machine runs {jax.default_backend()}); use 'auto'")
     mesh = make_mesh(config.train.devices)
     n_devices = mesh.devices.size
     config_lib.validate_for_data(config, dataset, n_devices)
@@ -163,7 +152,7 @@ def train(
     optimizer, schedule = make_optimizer(config.optim, config.train.steps, params)
     state = new_state(params, optimizer)
     shardings = state_shardings(state, mesh, config.train.fsdp)
-    state = jax.device_put(state, shardings)
+    state = place(state, shardings)
     step_fn = jax.jit(make_train_step(config, vocab, seq_len, optimizer, schedule, mesh),
                       donate_argnums=0, out_shardings=(shardings, replicated))
     special_table = vocab.special_table()
@@ -257,6 +246,7 @@ def train(
     start = 0  # a run directory whose first checkpoint never landed starts again
     if restored is not None:
         state, _, start = restored
+    log.forget_after(start)  # lines of steps after the checkpoint: they are computed again
     # The schedule's length in effect from here (a --minutes estimate, revision or extension)
     state = with_total_steps(state, schedule_length(config.train, start))
     if restored is not None:
@@ -302,8 +292,9 @@ def train(
             due_eval = step % t.eval_every == 0 or step == t.steps
             overdue = (t.save_every_minutes is not None
                        and time.perf_counter() - last_save >= 60 * t.save_every_minutes)
-            due_save = step % t.save_every == 0 or step == t.steps or overdue
-            due_log = step % t.log_every == 0 or step == end
+            stop = interrupts.reached(step)  # SIGTERM, SIGINT or a job's preemption notice
+            due_save = step % t.save_every == 0 or step == t.steps or overdue or stop
+            due_log = step % t.log_every == 0 or step == end or stop
             if not (due_log or due_eval or due_save):
                 log.advance(step)
                 continue
@@ -364,6 +355,9 @@ def train(
                     log.info(f"budget: re-estimated at step {step}; the run now ends at step "
                              f"{revised} (recorded in config.json)")
             log.advance(step, loss)
+            if stop and step < t.steps:
+                checkpointer.wait()  # committed and digested before the process goes
+                raise Interrupted(interrupts.signal_name, step, run_dir)
         if pending:  # stopped early (stop_after) between sync points: still check the steps
             _check_finite(pending, _fetch([m for _, m in pending]), checkpointer)
         checkpointer.wait()  # a failing background write is this run's error

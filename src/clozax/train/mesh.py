@@ -46,6 +46,22 @@ def from_host(sharding, arrays):
             for a in arrays]
 
 
+def place(tree, shardings):
+    """``tree`` (every process holds the same values: the same seed drew them) on
+    ``shardings``. One process: ``device_put``. Several: each process builds its own shards
+    from its copy, as ``from_host`` does, since ``device_put`` onto devices of other processes
+    first checks every leaf equal across processes (measured: 121 all-gathers, 5 s of a tiny
+    2-process run's start)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def build(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(build, tree, shardings)
+
+
 def state_shardings(state, mesh: Mesh, fsdp: bool):
     """Per-leaf ``NamedSharding`` of the train state over ``mesh``'s ``data`` axis.
 

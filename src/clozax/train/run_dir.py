@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,13 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from clozax import __version__
-from clozax.core import files
+from clozax.core import files, locks
 from clozax.core import model as model_lib
 from clozax.core.model_config import runnable_here
 from clozax.core.pipeline import TrainState, make_optimizer
 from clozax.data.dataset import Dataset, open_dataset
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
+from clozax.train import distributed
 
 CONFIG_FILE = "config.json"
 RUN_FILE = "run.json"
@@ -113,6 +115,57 @@ def check_compatible(run_dir: Path, config: config_lib.RunConfig, dataset,
     return config, extending
 
 
+def lock_run(held: ExitStack, run_dir: Path, primary: bool, say) -> None:
+    """One writer per run: process 0 holds the run's lock (``core/locks.py``) in ``held``;
+    every process of a job learns whether it got it (``Locked`` on each when not)."""
+    refused = None
+    if primary:
+        try:
+            held.enter_context(locks.hold(run_dir, f"run {run_dir}", say=say))
+        except locks.Locked as e:
+            refused = e
+    if not distributed.broadcast(0 if refused else 1):
+        raise refused or locks.Locked(f"run {run_dir} is being written by another job "
+                                      "(process 0 says which); wait for it to finish")
+
+
+def resolve_run(run_dir: Path, config: config_lib.RunConfig, dataset, init_from: Path | None,
+                extend_to: int | None, say) -> tuple[config_lib.RunConfig, bool, bool,
+                                                      LoadedRun | None]:
+    """The config to train with in ``run_dir``: an existing run's own (checked against
+    ``config``; ``extend_to`` may lengthen it), or a new run's (``init_from`` brings another
+    run's model config and parameters). Returns ``(config, existing, extending, init_run)``."""
+    existing = (run_dir / CONFIG_FILE).is_file()
+    init_run, extending = None, False
+    if existing:
+        config, extending = check_compatible(run_dir, config, dataset, extend_to)
+        here = runnable_here(config.model)
+        if here != config.model:
+            say(f"model.attention={config.model.attention!r} cannot run on this machine; "
+                f"using {here.attention!r} (the same maths)")
+            config = config.replace(model=here)
+        return config, existing, extending, init_run
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(
+            f"output directory {run_dir} exists and is not a clozax run; choose a new --out"
+        )
+    if extend_to is not None:
+        raise ValueError(f"--extend-to needs an existing run in {run_dir}; train it first")
+    if init_from is not None:
+        init_run = load_run(init_from)
+        if init_run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
+            raise ValueError(
+                f"--init-from {init_from} uses a different tokenizer than dataset "
+                f"{dataset.path}; prepare the data with `clozax prepare --tokenizer "
+                f"{init_from}/tokenizer.json`"
+            )
+        config = replace(config, model=init_run.config.model)
+    if runnable_here(config.model) != config.model:
+        raise ValueError(f"model.attention={config.model.attention!r} needs an NVIDIA GPU "
+                         f"(this machine runs {jax.default_backend()}); use 'auto'")
+    return config, existing, extending, init_run
+
+
 def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -150,11 +203,12 @@ def abstract_state(config: config_lib.RunConfig):
 
 def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
     """Load a run's config (speed-only settings resolved for this machine), provenance and the
-    parameters of ``step`` (default: the newest intact checkpoint; a damaged newer one is
-    skipped with one line on stderr)."""
+    parameters of ``step`` (default: the newest committed checkpoint that is not damaged; a
+    damaged newer one is skipped with one line on stderr). Read-only: it writes nothing in the
+    run, so it may look at a run while it trains (and says which step it took)."""
     run_dir = Path(run_dir)
     config, info = read_config(run_dir)
-    checkpointer = ckpt.Checkpointer(run_dir, keep=config.train.keep_checkpoints)
+    checkpointer = ckpt.Checkpointer(run_dir, read_only=True)
     try:
         steps = checkpointer.all_steps()
         if not steps:
@@ -170,8 +224,14 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
         else:
             chosen = step
             state, _ = checkpointer.restore(step, abstract_state(config), params_only=True)
+        verified = checkpointer.verified(chosen)
     finally:
         checkpointer.close()
+    holder = locks.current_holder(run_dir)
+    if holder is not None:
+        warn(f"run {run_dir} is training ({holder.describe()}); using its newest committed "
+             f"checkpoint, step {chosen}" + ("" if verified else " (its digest is not "
+                                               "recorded yet)"))
     return LoadedRun(run_dir, config, info, chosen, state.params)
 
 
