@@ -5,10 +5,8 @@ reader never sees half a file (used for every file a later step reads). ``staged
 a hidden temporary sibling directory (``.NAME.partial-PID``) and renames it into place when
 done; on any failure (an exception, Ctrl-C) the temporary directory is removed, and an
 existing ``out`` is kept until the new one is complete. A SIGKILL leaves only the hidden
-partial, which ``remove_stale_partials`` clears once its process is gone. A resumable writer
-(``clozax prepare``) names its partial ``.NAME.partial-rKEY`` instead, owns it through a
-``lock`` file (``claim_dir``) and publishes it with ``publish_dir``; a killed run's partial is
-kept for the next run with the same key.
+partial, which the next ``staged_dir`` of the same ``out`` clears once its process is gone.
+(``clozax prepare`` keeps a resumable partial of its own: ``data/partial.py``.)
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from pathlib import Path
 def staged_dir(out: Path) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``out``; publish it as ``out`` if the block succeeds."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -37,24 +36,18 @@ def staged_dir(out: Path) -> Iterator[Path]:
         raise
 
 
-def remove_stale_partials(out: Path, keep: Path | None = None) -> None:
-    """Delete temporary directories left by killed writers (their process no longer exists):
-    ``.NAME.partial-PID``, or a resumable ``.NAME.partial-rKEY`` whose ``lock`` names the
-    writer's pid. ``keep`` (the partial a caller is about to resume) is left alone."""
+def remove_stale_partials(out: Path) -> None:
+    """Delete ``.NAME.partial-PID`` directories of ``out`` whose writer no longer runs."""
     for stale in out.parent.glob(f".{out.name}.partial-*"):
-        if keep is not None and stale == keep:
-            continue
         suffix = stale.name.rsplit("-", 1)[1]
-        lock = read_json(stale / "lock") if suffix.startswith("r") else None
-        if suffix.startswith("r") and lock is None:  # finished and killed before its rename
-            shutil.rmtree(stale, ignore_errors=True)
-            continue
+        if not suffix.isdigit():
+            continue  # not a staged_dir's (prepare's resumable partials are kept)
         try:
-            os.kill(int(lock["pid"] if isinstance(lock, dict) else suffix), 0)
+            os.kill(int(suffix), 0)
         except ProcessLookupError:
             shutil.rmtree(stale, ignore_errors=True)
-        except (ValueError, KeyError, TypeError, PermissionError):
-            pass  # not ours to judge: a foreign name, or another user's live process
+        except PermissionError:
+            pass  # another user's live process
 
 
 def publish_dir(tmp: Path, out: Path) -> None:
@@ -66,22 +59,6 @@ def publish_dir(tmp: Path, out: Path) -> None:
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old)
-
-
-def claim_dir(directory: Path, who: str) -> None:
-    """Own ``directory`` (new, or left by a killed writer, whose work may be resumed) through
-    its ``lock`` file; ``ValueError`` naming ``who`` when a live process holds it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = read_json(directory / "lock")
-    if lock is not None and lock.get("pid") != os.getpid():
-        try:
-            os.kill(int(lock["pid"]), 0)
-        except ProcessLookupError:
-            pass  # its writer was killed
-        else:
-            raise ValueError(f"{who} (pid {lock['pid']}) is writing {directory}; wait for it "
-                             "to finish")
-    write_json(directory / "lock", {"pid": os.getpid()})
 
 
 def read_json(path: Path):

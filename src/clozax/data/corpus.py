@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clozax.data.readers import RawDocument, Record, Skip
+from clozax.data.split import HELDOUT, TRAIN
 
 # The manifest lists at most this many skips by name; the counts by reason cover the rest.
 MAX_LISTED_SKIPS = 1000
@@ -154,3 +155,28 @@ def clean(records: Iterable[Record], accounting: Accounting,
         yield Document(id=digest.hex(), text=text, group=record.group, label=record.label,
                        source=record.source)
 
+
+
+class CorpusRejected(ValueError):
+    """The corpus as read cannot make a dataset (empty, every document skipped, a split
+    empty); its fix changes the input or the reading settings, so nothing read is kept."""
+
+
+def check_corpus(accounting: Accounting, groups: dict[str, int], corpus: str,
+                 heldout_fraction: float, seed: int) -> None:
+    """``CorpusRejected`` unless the documents kept make both splits (``groups``: distinct
+    groups per split)."""
+    if accounting.kept == 0:
+        if accounting.skipped:
+            first = "; ".join(f"{s['source']}: {s['reason']}" for s in accounting.skips[:3])
+            raise CorpusRejected(f"every one of the {accounting.read} documents in {corpus} "
+                                 f"was skipped (first: {first}); fix the input or "
+                                 "--text-field")
+        raise CorpusRejected(f"corpus {corpus} has no non-empty documents; add text")
+    n_groups = groups[TRAIN] + groups[HELDOUT]
+    for split, other in ((HELDOUT, TRAIN), (TRAIN, HELDOUT)):
+        if not groups[split]:
+            raise CorpusRejected(
+                f"the {split} split would be empty: all {n_groups} group(s) hashed into "
+                f"{other} at --heldout-fraction {heldout_fraction} --seed {seed}; add "
+                "documents from more groups (or --group-field), or change the fraction or seed")

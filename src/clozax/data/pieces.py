@@ -16,6 +16,8 @@ processes read it. Finding the cuts reads each large file once, counting line en
 
 from __future__ import annotations
 
+import json
+import platform
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,14 +64,17 @@ class Piece:
 
 
 def plan(corpus: str, layout: Layout, piece_bytes: int) -> dict:
-    """``{"files": [[path, name], …], "pieces": [Piece.to_json(), …]}`` for ``corpus``
-    (``"stdlib"`` is one piece). ``ValueError`` for a bad path or a missing optional reader."""
+    """``{"files": [[path, name, size, mtime_ns], …], "pieces": [Piece.to_json(), …]}`` for
+    ``corpus`` (``"stdlib"`` is one piece, ``"stdlib"`` naming the Python version read).
+    ``ValueError`` for a bad path or a missing optional reader."""
     if corpus == "stdlib":
         stdlib_root_checked()
-        return {"files": [], "pieces": [Piece(0, 0).to_json()]}
+        return {"files": [], "pieces": [Piece(0, 0).to_json()],
+                "stdlib": platform.python_version()}
     files, base = find_files(corpus)
     check_files(files)
-    sizes = [p.stat().st_size for p in files]
+    stats = [p.stat() for p in files]
+    sizes = [s.st_size for s in stats]
     piece_bytes = max(piece_bytes, -(-sum(sizes) // MAX_PIECES))
     pieces: list[Piece] = []
     first, held = 0, 0  # the run of whole files not yet made a piece, and its bytes
@@ -90,8 +95,17 @@ def plan(corpus: str, layout: Layout, piece_bytes: int) -> dict:
         held += size
     if first < len(files):
         pieces.append(Piece(first, len(files)))
-    return {"files": [[str(p), relative_name(p, base)] for p in files],
+    return {"files": [[str(p), relative_name(p, base), st.st_size, st.st_mtime_ns]
+                      for p, st in zip(files, stats, strict=True)],
             "pieces": [p.to_json() for p in pieces]}
+
+
+def piece_identity(the_plan: dict, i: int) -> str:
+    """What piece ``i``'s records depend on: its files (names, sizes, modification times) and
+    its range; equal identities read the same records."""
+    piece = Piece.from_json(the_plan["pieces"][i])
+    return json.dumps([the_plan["pieces"][i], the_plan["files"][piece.first : piece.stop],
+                       the_plan.get("stdlib")])
 
 
 def _cut_rule(path: Path, layout: Layout) -> re.Pattern | None:
@@ -158,7 +172,7 @@ def read_piece(the_plan: dict, piece: Piece, fields: FieldNames, layout: Layout,
     files = the_plan["files"]
 
     def records() -> Iterator[Record]:
-        for path, rel in files[piece.first : piece.stop]:
+        for path, rel, *_ in files[piece.first : piece.stop]:
             yield from read_file(Path(path), rel, fields, layout, piece.span)
 
     return guard(records(), strict)

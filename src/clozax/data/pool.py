@@ -21,9 +21,11 @@ import importlib
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -38,6 +40,7 @@ QUEUED = 2  # tasks sent to a worker ahead of its answers
 # "kind:index" is FAIL_TASK exits at once with status 3 (as if killed).
 PAUSE_AFTER_TASK_ENV = "CLOZAX_TEST_PAUSE_AFTER_TASK"
 FAIL_TASK_ENV = "CLOZAX_TEST_FAIL_TASK"
+PARENT_ENV = "CLOZAX_POOL_PARENT"  # the pid a worker must not outlive
 
 
 class WorkerFailed(ValueError):
@@ -99,7 +102,7 @@ class Pool:
 
 class _Workers:
     def __init__(self, n: int, env: dict[str, str]):
-        self.env = {**os.environ, **env}
+        self.env = {**os.environ, **env, PARENT_ENV: str(os.getpid())}
         self.procs: list[subprocess.Popen] = []
         self.errs = [tempfile.TemporaryFile() for _ in range(n)]
         self.pending = [b""] * n  # bytes of an answer line not yet complete
@@ -177,9 +180,33 @@ class _Workers:
                             "kept: run the same command to resume")
 
 
+def _die_with_parent(parent: int) -> None:
+    """End this worker when its parent ends, however it ends (a SIGKILLed prepare must not
+    leave workers writing into its partial directory): the kernel's parent-death signal on
+    Linux, else a thread watching the parent's pid."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) == 0:
+            if os.getppid() != parent:  # the parent died before the call took
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> None:
     """A worker: answer each task line on stdin with one JSON line (stdout is the channel
     alone; anything else printed goes to stderr)."""
+    _die_with_parent(int(os.environ.get(PARENT_ENV, os.getppid())))
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     for line in sys.stdin:

@@ -1,6 +1,6 @@
 """``clozax prepare``: documents → document-level split → frozen tokenizer → packed shards.
 
-Order of work, in a hidden sibling directory ``.{out}.partial-{key}`` renamed into place only
+Order of work, in a hidden sibling directory ``.{out}.partial-r{key}`` renamed into place only
 when complete (no half dataset is ever visible as complete):
 
 1. cut the corpus into pieces (``data/pieces.py``: whole files, or ranges of a large file);
@@ -16,16 +16,19 @@ when complete (no half dataset is ever visible as complete):
 ``--workers N`` uses N cores: N processes each with a one-thread tokenizer (``data/pool.py``),
 and N tokenizer-training threads. The output never depends on N.
 
-Resuming: ``key`` hashes everything that decides the output (the config without speed-only
-settings, the corpus files' names, sizes and modification times, the clozax version), so a
-prepare killed at any point and run again with the same settings finds its directory and
-continues after the last finished piece, phase or shard, with the same final bytes.
+One writer per ``--out``: the whole prepare holds its lock (``core/locks.py``; a second one is
+refused naming the first), and ``--out`` is checked again before the rename.
+
+Resuming: a prepare killed or failed at any point and run again continues after the last
+finished piece, phase or shard, with the same final bytes; each phase is keyed by what it
+depends on, so another ``--seq-len`` or tokenizer keeps the reading, and a changed corpus file
+is read again alone (``data/partial.py``). A bad row is a recorded skip, never the end of the
+run; an error keeps what was finished (the partial is deleted only when nothing was).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -35,14 +38,14 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.progress import Progress
 
 import clozax
-from clozax.core import files
-from clozax.core.files import claim_dir, file_sha256, publish_dir, remove_stale_partials
+import clozax.data.partial as partial
+from clozax.core import files, locks
+from clozax.core.files import file_sha256, publish_dir
 from clozax.core.vocab import SPECIAL_NAMES
-from clozax.data.corpus import MAX_RUN_CHARS, Accounting
+from clozax.data.corpus import MAX_RUN_CHARS, Accounting, CorpusRejected, check_corpus
 from clozax.data.dataset import (
     FORMAT_VERSION,
     data_files,
@@ -54,15 +57,16 @@ from clozax.data.pack import result_path
 from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, PACKER_VERSION
 from clozax.data.pieces import plan
 from clozax.data.pool import Pool, WorkerFailed
+from clozax.data.prepare_summary import print_summary, progress_bars
 from clozax.data.readers import Layout
-from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES, find_files
-from clozax.data.split import HELDOUT, SPLITS, TRAIN
+from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
+from clozax.data.split import SPLITS, TRAIN
 from clozax.data.spool import Dedup, Sample, piece_read
 from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer
 
 # Input bytes per piece, so per data shard (at least: see pieces.MAX_PIECES).
 SHARD_BYTES = 1 << 22
-SPEED_ONLY = ("workers", "overwrite")  # not in the resume key: they change no byte
+SPEED_ONLY = ("workers", "overwrite", "discard_partial")  # they change no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
 
@@ -90,6 +94,7 @@ class PrepareConfig:
     overwrite: bool = False
     shard_bytes: int = SHARD_BYTES
     workers: int | None = None  # None: every core
+    discard_partial: bool = False  # delete an unfinished prepare of other settings
 
     def __post_init__(self):
         if not MIN_SEQ_LEN <= self.seq_len <= MAX_SEQ_LEN:
@@ -132,6 +137,52 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
         raise ValueError(f"unknown prepare option(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(valid)}")
     config = PrepareConfig(out=Path(out), **options)
+    console = console or Console()
+    say = (lambda message: None) if quiet else (
+        lambda message: Console(stderr=True, highlight=False).print(message))
+    with locks.hold(config.out, f"dataset {config.out}", say=say):  # one writer per --out
+        return _prepare(config, quiet, console, say)
+
+
+def _prepare(config: PrepareConfig, quiet: bool, console: Console, say) -> dict:
+    out = config.out
+    _check_out(config)
+    if config.tokenizer is not None:
+        load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
+    started = time.perf_counter()
+    layout = Layout(config.text_unit, config.group_by)
+    pieces = plan(config.corpus, layout, config.shard_bytes)  # checks the path now
+    seconds = {"plan": time.perf_counter() - started}  # per phase, for the summary only
+    settings = partial.read_settings(config, FORMAT_VERSION)
+    tmp = partial.partial_path(out, settings)
+    partial.refuse_or_discard(out, tmp, settings, config.discard_partial, say)
+    partial.begin(tmp, settings)
+    try:
+        progress = progress_bars(quiet)
+        with progress:
+            manifest = _build(config, pieces, tmp, progress, seconds, say)
+    except WorkerFailed:
+        raise  # its message says that the finished part is kept
+    except ValueError as e:  # bad input: keep what was finished (nothing, if it came first)
+        if isinstance(e, CorpusRejected) or not partial.has_work(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        raise ValueError(f"{str(e).splitlines()[0]}; the finished part is kept in {tmp} for "
+                         "the next run") from None
+    if os.environ.get(_PAUSE_ENV):
+        time.sleep(float(os.environ[_PAUSE_ENV]))
+    if out.exists() and not config.overwrite:  # written by someone else meanwhile
+        raise ValueError(f"output directory {out} appeared while this prepare ran; the "
+                         f"prepared dataset is kept in {tmp}: run the same command with "
+                         "--overwrite to replace it, or move it away and run it again")
+    partial.finish(tmp)
+    publish_dir(tmp, out)
+    if not quiet:
+        print_summary(manifest, console, time.perf_counter() - started, seconds)
+    return manifest
+
+
+def _check_out(config: PrepareConfig) -> None:
     out = config.out
     if out.exists() and not config.overwrite:
         raise ValueError(f"output directory {out} already exists; pass --overwrite to replace "
@@ -140,71 +191,41 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
             not (out.is_dir() and not any(out.iterdir())):
         raise ValueError(f"refusing to --overwrite {out}: it is not a clozax dataset (no "
                          "manifest.json); remove it yourself or choose another --out")
-    if config.tokenizer is not None:
-        load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
-    started = time.perf_counter()
-    layout = Layout(config.text_unit, config.group_by)
-    pieces = plan(config.corpus, layout, config.shard_bytes)  # checks the path now
-    seconds = {"plan": time.perf_counter() - started}  # per phase, for the summary only
-    tmp = out.parent / f".{out.name}.partial-r{_resume_key(config)}"
-    remove_stale_partials(out, keep=tmp)  # a killed run with other settings is not resumed
-    claim_dir(tmp, "another prepare with the same settings")
-    try:
-        progress = _progress(quiet)
-        with progress:
-            manifest = _build(config, pieces, tmp, progress, seconds)
-    except WorkerFailed:
-        raise  # keep the finished shards for the next run
-    except ValueError:  # bad input: nothing worth resuming
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / "lock").unlink()
-    if os.environ.get(_PAUSE_ENV):
-        time.sleep(float(os.environ[_PAUSE_ENV]))
-    publish_dir(tmp, out)
-    if not quiet:
-        print_summary(manifest, console or Console(), time.perf_counter() - started, seconds)
-    return manifest
-
-
-def _resume_key(config: PrepareConfig) -> str:
-    """A hash of everything that decides the output bytes (see the module docstring)."""
-    settings = {k: str(v) for k, v in asdict(config).items() if k not in SPEED_ONLY}
-    corpus = [platform.python_version()] if config.corpus == "stdlib" else [
-        (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in find_files(config.corpus)[0]]
-    if config.tokenizer is not None:
-        corpus.append(file_sha256(config.tokenizer))
-    text = json.dumps([settings, corpus, clozax.__version__, FORMAT_VERSION], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _progress(quiet: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("docs {task.fields[detail]}"), TimeElapsedColumn(),
-        console=Console(stderr=True), disable=quiet, transient=False,
-    )
 
 
 def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
-           seconds: dict[str, float]) -> dict:
+           seconds: dict[str, float], say) -> dict:
     workers = Pool(config.workers or os.cpu_count() or 1, inline=len(the_plan["pieces"]) == 1)
     clock = time.perf_counter()
+    # Each phase is keyed by what it depends on (data/partial.py), so a rerun with other
+    # tokenizer or packing settings keeps the reading, and one with the same keeps it all.
+    corpus = partial.corpus_identity(the_plan)
+    tokenizer_key = partial.key_of([corpus, config.tokenizer_model, config.vocab_size,
+                                    config.lowercase, config.tokenizer and
+                                    file_sha256(config.tokenizer)])
+    pack_key = partial.key_of([tokenizer_key, config.seq_len, PACKER_VERSION])
+    if (tmp / "manifest.json").is_file() and partial.phase_done(tmp, "manifest", pack_key):
+        return files.read_json(tmp / "manifest.json")  # finished; killed before its rename
     # 1. read, clean, split and spool the pieces; dedup in corpus order (skipped when a resumed
-    #    run finished it)
+    #    run finished it for this corpus)
     phase1 = files.read_json(tmp / "spool" / "done.json")
-    if phase1 is None:
-        phase1 = _read_pieces(config, the_plan, tmp, progress, workers)
+    if phase1 is None or phase1.get("corpus") != corpus:
+        phase1 = _read_pieces(config, the_plan, tmp, progress, workers, corpus, say)
     accounting = Accounting(**phase1["accounting"])
     docs, groups, shards = phase1["docs"], phase1["groups"], phase1["shards"]
     seconds["reading"], clock = time.perf_counter() - clock, time.perf_counter()
 
     # 2. tokenizer, frozen (written under a temporary name, so its presence means finished)
     tokenizer_path = tmp / "tokenizer.json"
+    if tokenizer_path.is_file() and not partial.phase_done(tmp, "tokenizer",
+                                                           tokenizer_key):
+        say("the tokenizer settings or the corpus changed since the unfinished prepare: "
+            "training the tokenizer again (the reading is kept)")
+        tokenizer_path.unlink()
     if not tokenizer_path.is_file():
-        partial = tmp / "tokenizer.json.partial"
+        partial_tokenizer = tmp / "tokenizer.json.partial"
         if config.tokenizer is not None:
-            shutil.copyfile(config.tokenizer, partial)  # unchanged, byte for byte
+            shutil.copyfile(config.tokenizer, partial_tokenizer)  # unchanged, byte for byte
         else:
             threshold = phase1["sample_threshold"]
             n_train = docs[TRAIN] if threshold is None else config.tokenizer_sample
@@ -215,7 +236,8 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
                 "tmp": str(tmp), "pieces": shards[TRAIN], "threshold": threshold,
                 "seed": config.seed, "options": options}}])
             progress.advance(training)
-        partial.rename(tokenizer_path)
+        partial.mark_phase(tmp, "tokenizer", tokenizer_key)
+        partial_tokenizer.rename(tokenizer_path)
     seconds["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
     tok = load_tokenizer(tokenizer_path)
     specials = find_specials(tok)
@@ -226,7 +248,11 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
                                        "seq_len": config.seq_len}}
              for split in SPLITS for k, piece in enumerate(shards[split])]
     packing = progress.add_task("packing shards", total=len(tasks), detail="")
+    if (tmp / "results").is_dir() and not partial.phase_done(tmp, "packing",
+                                                              pack_key):
+        shutil.rmtree(tmp / "results")  # packed for another seq_len or tokenizer
     (tmp / "results").mkdir(exist_ok=True)
+    partial.mark_phase(tmp, "packing", pack_key)
     todo = [t for t in tasks if not result_path(tmp, t["args"]["split"], t["args"]["k"]).is_file()]
     progress.advance(packing, len(tasks) - len(todo))
     workers.run(todo, done=lambda i: progress.advance(packing))
@@ -310,14 +336,16 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     }
     manifest["fingerprint"] = fingerprint(manifest["identity"])
     files.write_json(tmp / "manifest.json", manifest)
+    partial.mark_phase(tmp, "manifest", pack_key)
     return manifest
 
 
 def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
-                 workers: Pool) -> dict:
+                 workers: Pool, corpus: str, say) -> dict:
     """Phase 1 (see the module docstring and ``data/spool.py``): read pieces over the workers,
     merging each here as soon as every piece before it is merged."""
     (tmp / "spool").mkdir(exist_ok=True)
+    partial.keep_read_pieces(tmp / "spool", the_plan, say)  # a changed file is read again
     files.write_json(tmp / "spool" / "plan.json", the_plan)
     files.write_json(tmp / "spool" / "settings.json", {
         "fields": [config.text_field, config.group_field, config.label_field],
@@ -348,53 +376,9 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
     groups = dedup.close()
     accounting = dedup.accounting
     accounting.check()
-    _check_corpus(config, accounting, groups)
+    check_corpus(accounting, groups, config.corpus, config.heldout_fraction, config.seed)
     phase1 = {"accounting": asdict(accounting), "docs": dedup.docs, "groups": groups,
-              "shards": dedup.shards, "sample_threshold": sample.threshold()}
+              "shards": dedup.shards, "sample_threshold": sample.threshold(),
+              "corpus": corpus}
     files.write_json(tmp / "spool" / "done.json", phase1)
     return phase1
-
-
-def _check_corpus(config: PrepareConfig, accounting: Accounting,
-                  groups: dict[str, int]) -> None:
-    if accounting.kept == 0:
-        if accounting.skipped:
-            first = "; ".join(f"{s['source']}: {s['reason']}" for s in accounting.skips[:3])
-            raise ValueError(f"every one of the {accounting.read} documents in {config.corpus} "
-                             f"was skipped (first: {first}); fix the input or --text-field")
-        raise ValueError(f"corpus {config.corpus} has no non-empty documents; add text")
-    n_groups = groups[TRAIN] + groups[HELDOUT]
-    for split, other in ((HELDOUT, TRAIN), (TRAIN, HELDOUT)):
-        if not groups[split]:
-            raise ValueError(
-                f"the {split} split would be empty: all {n_groups} group(s) hashed into "
-                f"{other} at --heldout-fraction {config.heldout_fraction} --seed {config.seed};"
-                " add documents from more groups (or --group-field), or change the fraction "
-                "or seed")
-
-
-def print_summary(manifest: dict, console: Console, seconds: float | None = None,
-                  phases: dict[str, float] | None = None) -> None:
-    """Accounting, per-split sizes, packing efficiency and tokenizer hash as one table."""
-    d = manifest["documents"]
-    console.print(f"documents: read {d['read']:,} = kept {d['kept']:,} + duplicates "
-                  f"{d['duplicates']:,} + skipped {d['skipped']:,}")
-    for reason, count in manifest["skip_reasons"].items():
-        console.print(f"  skipped {count:,}: {reason}")
-    table = Table(title=None)
-    for column in ("split", "documents", "groups", "rows", "tokens", "pad tokens", "chunked"):
-        table.add_column(column, justify="left" if column == "split" else "right")
-    for split, s in manifest["splits"].items():
-        table.add_row(split, f"{s['documents']:,}", f"{s['groups']:,}", f"{s['rows']:,}",
-                      f"{s['tokens']:,}", f"{s['pad_tokens']:,}", f"{s['chunked_documents']:,}")
-    console.print(table)
-    t = manifest["tokenizer"]
-    console.print(f"seq_len {manifest['seq_len']}, packing efficiency "
-                  f"{manifest['packing_efficiency']:.4f}, shards " +
-                  ", ".join(f"{k} {len(v)}" for k, v in manifest["shards"].items()))
-    sample = f", a sample of {t['sample']:,} documents" if t.get("sample") else ""
-    console.print(f"tokenizer {t['model']} (trained on {t['trained_on']}{sample}), vocab "
-                  f"{t['vocab_size']:,}, sha256 {t['sha256']}")
-    if seconds is not None:
-        each = ", ".join(f"{k} {v:.1f} s" for k, v in (phases or {}).items())
-        console.print(f"prepared in {seconds:.1f} s" + (f" ({each})" if each else ""))

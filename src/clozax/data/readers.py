@@ -229,6 +229,32 @@ def _from_row(row: object, where: str, fields: FieldNames, group_default: str) -
                        label=found.get("label"), source=where)
 
 
+def _jsonl_row(line: bytes, where: str, fields: FieldNames, group: str) -> Record:
+    """One JSONL line as a document, or a skip naming what is wrong with it: bytes that are not
+    UTF-8, invalid JSON, nesting too deep to parse, a string that is not valid Unicode (a
+    lone surrogate such as "\\ud800", valid JSON and common in crawls), any other
+    ``ValueError``."""
+    try:
+        record = _from_row(json.loads(decode(line)), where, fields, group)
+    except BadBytes as e:
+        return Skip(where, str(e))
+    except json.JSONDecodeError as e:
+        return Skip(where, f"not valid JSON ({e.msg})")
+    except RecursionError:
+        return Skip(where, "JSON nested too deeply to parse")
+    except ValueError as e:
+        return Skip(where, f"unreadable row ({str(e).splitlines()[0][:120]})")
+    if isinstance(record, RawDocument) and (b"\\ud" in line or b"\\uD" in line):
+        for name, value in (("text", record.text), ("group", record.group),
+                            ("label", record.label)):
+            try:
+                (value or "").encode("utf-8")
+            except UnicodeEncodeError as e:
+                return Skip(where, f"not valid Unicode (a lone surrogate "
+                            f"{value[e.start]!r} in the {name} field)")
+    return record
+
+
 def _read_jsonl(path: Path, rel: str, fields: FieldNames, layout: Layout,
                 span: Span) -> Iterator[Record]:
     try:
@@ -256,16 +282,8 @@ def _read_jsonl(path: Path, rel: str, fields: FieldNames, layout: Layout,
                     continue
                 if not line.strip():
                     continue  # blank lines separate nothing; they are not documents
-                try:
-                    row = json.loads(decode(line))
-                except BadBytes as e:
-                    yield Skip(where, str(e))
-                    continue
-                except json.JSONDecodeError as e:
-                    yield Skip(where, f"not valid JSON ({e.msg})")
-                    continue
-                group = rel if layout.group_by == "file" else where
-                yield _from_row(row, where, fields, group)
+                yield _jsonl_row(line, where, fields, rel if layout.group_by == "file"
+                                 else where)
     except (OSError, *decompression_errors()) as e:
         yield Skip(f"{rel}:{number + 1}+", f"corrupt compressed data ({type(e).__name__}); "
                    "the rest of the file is skipped")
