@@ -195,7 +195,11 @@ def test_two_processes_train_as_one_and_survive_faults_and_topology_changes(stdl
     took = time.time() - started
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:]
     planned = load_run(budget).config.train.steps
-    assert load_run(budget).step == planned and took < 0.6 * 60 * 1.1, took
+    # The budget counts from process start; it cannot be kept when compiling the first step
+    # alone takes longer (a loaded machine), and then the job stops after that one step.
+    first = float(outputs[0].split("compiled and ran the first step in ")[1].split(" s")[0])
+    assert load_run(budget).step == planned, planned
+    assert took < 0.6 * 60 * 1.1 or (planned == 1 and took < first + 20), (took, first)
 
     # A 2-process checkpoint resumes on 1 process, and a 1-process one on 2 processes (without
     # fsdp: the 2-process steps of this one cover the replicated layout).
