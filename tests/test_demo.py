@@ -1,4 +1,5 @@
-"""clozax demo: prepare → train → evaluate → probe → audit → report through the real CLI."""
+"""clozax demo: prepare → train → evaluate → probe → finetune → audit → report through the
+real CLI."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SECTIONS = ["Headline", "Training", "What the model predicts",
             "Audit", "Provenance"]
 
 
-def _demo(out, timeout=240):
+def _demo(out, timeout=420):
     return subprocess.run(
         [sys.executable, "-m", "clozax.cli", "demo", "--out", str(out), "--preset", "tiny",
          "--steps", "4", "--quick"],
@@ -37,11 +38,14 @@ def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_pat
     for title in SECTIONS:
         assert f"<h2>{title}</h2>" in page
     assert "not run" not in page  # evaluate, probe and audit all ran
-    for name in ("eval.json", "failures.jsonl", "probe.json", "audit.json", "report/loss.png",
+    for name in ("eval.json", "failures.jsonl", "probe.json", "audit.json",
+                 "finetune/labels/result.json", "finetune/labels/model/model.safetensors",
+                 "report/loss.png",
                  "report/accuracy.png", "report/probabilities.png"):
         assert (out / "run" / name).is_file(), name
     for line in ("held-out masked-token accuracy: trained", "probe accuracy (95 % CI): trained",
-                 "audit:", "held-out accuracy ≥ 2× unigram",
+                 "fine-tuned accuracy over seeds: trained", "audit:",
+                 "held-out accuracy ≥ 2× unigram",
                  "probe: trained beats random init outside the 95 % CI"):
         assert line in first.stdout, line
     assert json.loads((out / "run" / "audit.json").read_text())["passed"]
@@ -50,7 +54,7 @@ def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_pat
 
     second = _demo(out)  # resumable: training is complete, every stage's output is current
     assert second.returncode == 0, second.stderr[-3000:]
-    for name in ("eval.json", "probe.json", "audit.json"):
+    for name in ("eval.json", "probe.json", "result.json", "audit.json"):
         assert f"{name} is up to date" in second.stdout
     assert "already completed 4 steps" in second.stderr + second.stdout
 

@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
+from clozax.cli_finetune import finetune
 from clozax.train import compile_cache, distributed, hostmem
 from clozax.train.interrupts import EXIT_CODES, Interrupted
 
@@ -316,6 +317,9 @@ def probe(
     console = Console()
     console.print(probe_lib.summary_table(result))
     console.print(f"wrote {run / probe_lib.PROBE_FILE}")
+
+
+app.command()(finetune)
 
 
 @app.command()

@@ -1,10 +1,11 @@
 """``clozax demo``: the whole product on the built-in corpus, end to end, resumably.
 
 prepare (stdlib docstrings → ``OUT/data``) → train the ``small`` preset for ``DEMO_STEPS`` steps
-(``OUT/run``) → evaluate → probe → audit → report, then print the report's path, the headline
-numbers and whether each claim holds. Re-running continues: the dataset is reused when it was
-prepared with the same settings, training resumes from its latest checkpoint, and evaluate /
-probe / audit are skipped when their JSON already describes the latest checkpoint.
+(``OUT/run``) → evaluate → probe → finetune (``DEMO_FINETUNE``) → audit → report, then print
+the report's path, the headline numbers and whether each claim holds. Re-running continues: the
+dataset is reused when it was prepared with the same settings, training resumes from its latest
+checkpoint, and evaluate / probe / finetune / audit are skipped when their JSON already
+describes the latest checkpoint (a finetune stage cut short resumes at its next job).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rich.console import Console
 from clozax.data import prepare
 from clozax.judge import audit as audit_lib
 from clozax.judge import evaluate as evaluate_lib
+from clozax.judge import finetune as finetune_lib
 from clozax.judge import probe as probe_lib
 from clozax.judge.claims import claims
 from clozax.report import page as report_lib
@@ -50,6 +52,10 @@ QUICK_DATA_SETTINGS = {**DATA_SETTINGS, "vocab_size": 1024, "seq_len": 64}
 AUDIT_BATCHES, QUICK_AUDIT_BATCHES = 200, 2
 QUICK_PROBE_PER_CLASS = 30  # the probe's minimum examples per class
 QUICK_TRAIN = ["train.batch_size=8", "train.eval_rows=32", "optim.warmup_steps=2"]
+# The fine-tuning stage: the probe's task (a docstring's package, split by module), fine-tuned
+# at one learning rate (no grid: the demo's time) over 3 seeds, trained and random-init.
+DEMO_FINETUNE = finetune_lib.Protocol(learning_rates=(3e-4,), seeds=3, epochs=3)
+QUICK_FINETUNE = finetune_lib.Protocol(learning_rates=(1e-3,), seeds=2, epochs=1, batch_size=8)
 
 
 def _manifest_settings(manifest: dict) -> dict:
@@ -149,6 +155,13 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
                           lambda: probe_lib.probe_run(run_dir, **kwargs))
     done("probe")
 
+    stage("finetune")
+    finetune = _reuse_or_run(
+        run_dir / "finetune" / "labels" / finetune_lib.RESULT_FILE, step, say,
+        lambda: finetune_lib.finetune_run(run_dir, protocol=QUICK_FINETUNE if quick
+                                          else DEMO_FINETUNE, say=say))
+    done("finetune")
+
     stage("audit")
     batches = QUICK_AUDIT_BATCHES if quick else AUDIT_BATCHES
     audit = _reuse_or_run(run_dir / audit_lib.AUDIT_FILE, step, say,
@@ -160,6 +173,7 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
     done("report")
 
     summary = _summary(report_path, run_dir, data_dir, step, seconds, evaluation, probe, audit)
+    summary["finetune"] = _finetune_headline(finetune)
     summary["peak_rss_gb"] = peak_rss_gb()
     print_summary(summary, console)
     return summary
@@ -197,6 +211,17 @@ def _summary(report_path, run_dir, data_dir, step, seconds, evaluation, probe, a
     }
 
 
+def _finetune_headline(result: dict) -> dict:
+    metric = result["task"]["metric"]
+    out = {name: {k: r["selected"]["test"][metric][k] for k in ("mean", "std", "worst")}
+           for name, r in result["encoders"].items()}
+    out["tfidf"] = result["tfidf"]["test"][metric]
+    out["metric"] = metric
+    out["outside_the_seed_spread"] = result["trained_minus_random_init"][
+        "outside_the_seed_spread"]
+    return out
+
+
 def print_summary(summary: dict, console) -> None:
     """The report path, the headline numbers and one line per claim."""
     ev, pr, au = summary["eval"], summary["probe"], summary["audit"]
@@ -218,6 +243,16 @@ def print_summary(summary: dict, console) -> None:
                   f"{ci(pr['trained']['ci95'])}, random init {pct(pr['random_init']['accuracy'])}"
                   f" {ci(pr['random_init']['ci95'])}, TF-IDF {pct(pr['tfidf']['accuracy'])} "
                   f"{ci(pr['tfidf']['ci95'])}")
+    if "finetune" in summary:
+        f = summary["finetune"]
+
+        def spread(r):
+            return f"{pct(r['mean'])} ± {pct(r['std'])} (worst {pct(r['worst'])})"
+
+        console.print(f"fine-tuned {f['metric']} over seeds: trained {spread(f['trained'])}, "
+                      f"random init {spread(f['random_init'])}, TF-IDF {pct(f['tfidf'])}"
+                      + ("" if f["outside_the_seed_spread"] else
+                         " — trained is not outside the seed spread"))
     console.print(f"audit: {au['pass_count']}/{au['total']} PASS"
                   + (f" ({au['skipped']} skipped)" if au["skipped"] else ""))
     for c in summary["claims"]:

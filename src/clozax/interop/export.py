@@ -4,23 +4,16 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer
 
 from clozax.core import files
 from clozax.core.files import staged_dir
-from clozax.core.vocab import SPECIAL_NAMES
 from clozax.interop.families import for_model
-from clozax.interop.hf_files import check_fresh_output
+from clozax.interop.hf_files import check_fresh_output, special_tokens, write_tokenizer
+from clozax.train import finetuned
 from clozax.train.run_dir import load_run
-
-
-def _special_tokens(tokenizer_path: Path, specials: dict) -> dict[str, str]:
-    tok = Tokenizer.from_file(str(tokenizer_path))
-    return {name: tok.id_to_token(int(specials[name])) for name in SPECIAL_NAMES}
 
 
 def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
@@ -31,13 +24,17 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     Returns ``out_dir``.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if finetuned.is_finetuned(run_dir):
+        from clozax.interop.export_finetuned import export_finetuned
+
+        return export_finetuned(run_dir, out_dir)
     run = load_run(run_dir, step)
     if not run.tokenizer_path.is_file():
         raise ValueError(f"run {run_dir} has no tokenizer.json; it is damaged, re-train or "
                          "re-import it")
     with_head = bool(run.info.get("has_mlm_head", True))
     specials = run.specials
-    tokens = _special_tokens(run.tokenizer_path, specials)
+    tokens = special_tokens(run.tokenizer_path, specials)
     model_config = run.config.model
     family = for_model(model_config)
     tensors = family.to_hf_tensors(run.params, model_config, specials["pad"], with_head)
@@ -48,14 +45,5 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
                             "clozax_step": str(run.step)})
         files.write_json(tmp / "config.json", family.hf_config(model_config, specials, with_head),
                          sort_keys=True)
-        shutil.copyfile(run.tokenizer_path, tmp / "tokenizer.json")
-        token_fields = {f"{name}_token": tokens[name] for name in SPECIAL_NAMES}
-        files.write_json(tmp / "special_tokens_map.json", token_fields, sort_keys=True)
-        files.write_json(tmp / "tokenizer_config.json", {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            **token_fields,
-            "model_max_length": model_config.max_positions,
-            "padding_side": "right",  # RoBERTa-PreLayerNorm parity needs right padding
-            "clean_up_tokenization_spaces": False,
-        }, sort_keys=True)
+        write_tokenizer(tmp, run.tokenizer_path, tokens, model_config.max_positions)
     return out_dir

@@ -1,13 +1,19 @@
 """Reading the files of a ``save_pretrained`` directory: its JSON, its safetensors weights
-(never pickle), and the checks that name what is wrong and how to re-save it."""
+(never pickle), and the checks that name what is wrong and how to re-save it; and the
+tokenizer files an export writes beside its weights."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can return it)
 import numpy as np
+from tokenizers import Tokenizer
+
+from clozax.core import files
+from clozax.core.vocab import SPECIAL_NAMES
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -75,3 +81,22 @@ def check_fresh_output(out: Path, what: str) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{what} directory {out} already exists and is not empty; choose a new "
                          "output directory or remove it")
+
+
+def special_tokens(tokenizer_path: Path, specials: dict) -> dict[str, str]:
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    return {name: tok.id_to_token(int(specials[name])) for name in SPECIAL_NAMES}
+
+
+def write_tokenizer(tmp: Path, tokenizer_path: Path, tokens: dict, max_length: int) -> None:
+    """tokenizer.json (byte for byte), special_tokens_map.json, tokenizer_config.json."""
+    shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+    token_fields = {f"{name}_token": tokens[name] for name in SPECIAL_NAMES}
+    files.write_json(tmp / "special_tokens_map.json", token_fields, sort_keys=True)
+    files.write_json(tmp / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **token_fields,
+        "model_max_length": max_length,
+        "padding_side": "right",  # RoBERTa-PreLayerNorm parity needs right padding
+        "clean_up_tokenization_spaces": False,
+    }, sort_keys=True)

@@ -1,0 +1,262 @@
+"""One fine-tuning job and what every job of a task shares: length-bucketed fixed-shape
+batches, the jitted step and forward (compiled once per batch width for all jobs of a task),
+predictions and metrics on a split. A job is a pure function of (encoder, task, protocol,
+learning rate, seed), so seeds repeat bitwise."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from clozax.core import model as model_lib
+from clozax.judge import finetune_heads as heads
+from clozax.judge import finetune_tasks as tasks
+
+WIDTH_MULTIPLE = 32
+BUCKET_POOL = 50  # batches whose examples are sorted by length together (training order)
+ADAM = {"b1": 0.9, "b2": 0.98, "eps": 1e-6}
+DEFAULT_LEARNING_RATES = (1e-4, 3e-4, 1e-3)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How every job of a task trains, and how many there are."""
+
+    learning_rates: tuple[float, ...] = DEFAULT_LEARNING_RATES
+    seeds: int = 3
+    epochs: int = 3
+    batch_size: int = 32
+    warmup_fraction: float = 0.06
+    weight_decay: float = 0.01
+    dropout: float = 0.1
+    pooling: str = "cls"  # "mean" for the modern head only (ModernBERT's classifier_pooling)
+    control: bool = True  # also fine-tune the random-init encoder
+    compute_dtype: str | None = None  # None: the run's
+    max_train_examples: int | None = None  # a keyed choice of this many training examples
+
+    def __post_init__(self):
+        if not self.learning_rates or any(not (0 < lr < 1) for lr in self.learning_rates):
+            raise ValueError(f"learning rates {self.learning_rates} must be in (0, 1); pass "
+                             "e.g. --lr 1e-4,3e-4")
+        for name in ("seeds", "epochs", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.warmup_fraction < 1 or not 0 <= self.dropout < 1:
+            raise ValueError("warmup_fraction and dropout must be in [0, 1)")
+        if self.pooling not in heads.POOLINGS:
+            raise ValueError(f"pooling {self.pooling!r} is not one of {heads.POOLINGS}")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"compute dtype {self.compute_dtype!r} is not float32 or bfloat16")
+        if self.max_train_examples is not None and self.max_train_examples < 2:
+            raise ValueError("max_train_examples must be at least 2")
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _width(n: int, seq_len: int) -> int:
+    return min(-(-n // WIDTH_MULTIPLE) * WIDTH_MULTIPLE, seq_len)
+
+
+def batches(split: tasks.Split, batch: int, seq_len: int, rng=None) -> list[np.ndarray]:
+    """Index arrays, each of examples of similar length. With ``rng`` (training): shuffled,
+    sorted by length within pools of ``BUCKET_POOL`` batches, batch order shuffled; without:
+    sorted by length (evaluation)."""
+    n = len(split)
+    lengths = np.asarray([len(x) for x in split.ids])
+    if rng is None:
+        order = np.argsort(lengths, kind="stable")
+        return [order[i: i + batch] for i in range(0, n, batch)]
+    order = rng.permutation(n)
+    out = []
+    for start in range(0, n, batch * BUCKET_POOL):
+        pool = order[start: start + batch * BUCKET_POOL]
+        pool = pool[np.argsort(lengths[pool], kind="stable")]
+        out += [pool[i: i + batch] for i in range(0, len(pool), batch)]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def arrays(split: tasks.Split, idx: np.ndarray, batch: int, kind: str, pad: int,
+           seq_len: int) -> dict:
+    """One fixed-shape batch: inputs, mask (batch, width); y; weight (batch,) 0 for pad rows."""
+    width = _width(max(len(split.ids[i]) for i in idx), seq_len)
+    inputs = np.full((batch, width), pad, np.int32)
+    mask = np.zeros((batch, width), bool)
+    weight = np.zeros((batch,), np.float32)
+    if kind == "tokens":
+        y = np.full((batch, width), tasks.IGNORE, np.int32)
+    else:
+        y = np.zeros((batch,), np.float32 if kind == "regression" else np.int32)
+    for r, i in enumerate(idx):
+        ids = split.ids[i]
+        inputs[r, : len(ids)] = ids
+        mask[r, : len(ids)] = True
+        weight[r] = 1.0
+        if kind == "tokens":
+            y[r, : len(ids)] = split.y[i]
+        else:
+            y[r] = split.y[i]
+    return {"inputs": inputs, "mask": mask, "y": y, "weight": weight}
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every job of a task shares: its compiled functions and their shapes."""
+
+    model_config: object
+    style: str
+    kind: str
+    outputs: int
+    protocol: Protocol
+    steps: int
+    pad: int
+    seq_len: int
+    step_fn: object
+    logits_fn: object
+    optimizer: object
+    sharding: object
+
+
+def make_setup(model_config, task: tasks.Task, protocol: Protocol, pad: int,
+               seq_len: int) -> Setup:
+    c = model_config
+    if protocol.compute_dtype is not None:
+        c = replace(c, compute_dtype=protocol.compute_dtype)
+    style, kind = heads.style_for(c), task.kind
+    if protocol.pooling == "mean" and style != "modern":
+        raise ValueError(f"pooling 'mean' is ModernBERT's option; this {style}-style encoder "
+                         "pools [CLS] (drop --pooling)")
+    outputs = 1 if kind == "regression" else len(task.labels)
+    per_epoch = -(-len(task.splits["train"]) // protocol.batch_size)
+    steps = per_epoch * protocol.epochs
+    warm = max(1, round(protocol.warmup_fraction * steps))
+
+    def shape(count):  # linear warm-up to 1, linear decay to 0 at the last step
+        up = (count + 1) / warm
+        down = (steps - count) / max(steps - warm, 1)
+        return jnp.clip(jnp.where(count < warm, up, down), 0.0, 1.0)
+
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.scale_by_adam(**ADAM),
+        optax.add_decayed_weights(protocol.weight_decay, mask=model_lib.decay_mask),
+        optax.scale_by_schedule(shape),
+    )
+
+    def logits(params, batch, key):
+        hidden = model_lib.apply(params["encoder"], c, batch["inputs"], batch["mask"],
+                                 batch["mask"].astype(jnp.int32))  # (batch, width, hidden)
+        return heads.apply_head(params["head"], style, c, kind, hidden, batch["mask"],
+                                pooling=protocol.pooling, dropout=protocol.dropout, key=key)
+
+    def loss(params, batch, key):
+        total, count = heads.loss_sum_count(kind, logits(params, batch, key), batch["y"],
+                                            batch["weight"])
+        return total / jnp.maximum(count, 1.0), (total, count)
+
+    def step(params, opt_state, batch, key, lr):
+        (_, (total, count)), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda u: -lr * u, updates)
+        return optax.apply_updates(params, updates), opt_state, total, count
+
+    devices = jax.devices()
+    sharding = None
+    if len(devices) > 1 and protocol.batch_size % len(devices) == 0:
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        sharding = NamedSharding(Mesh(np.asarray(devices), ("data",)), PartitionSpec("data"))
+    return Setup(c, style, kind, outputs, protocol, steps, pad, seq_len,
+                 jax.jit(step, donate_argnums=(0, 1)),
+                 jax.jit(lambda p, b: logits(p, b, None)), optimizer, sharding)
+
+
+def _device(setup: Setup, batch: dict) -> dict:
+    if setup.sharding is None:
+        return batch
+    return {k: jax.device_put(v, setup.sharding) for k, v in batch.items()}
+
+
+def predict(setup: Setup, params, split: tasks.Split, batch: int | None = None) -> list:
+    """Per example: class id, value (regression), or per labelled position class ids
+    (tokens; positions where ``split.y`` is not ``IGNORE``), with the logits."""
+    batch = batch or setup.protocol.batch_size
+    out = [None] * len(split)
+    for idx in batches(split, batch, setup.seq_len):
+        b = arrays(split, idx, batch, setup.kind, setup.pad, setup.seq_len)
+        logits = np.asarray(setup.logits_fn(params, _device(setup, b)))
+        for r, i in enumerate(idx):
+            if setup.kind == "tokens":
+                n = len(split.ids[i])
+                out[i] = logits[r, :n]
+            else:
+                out[i] = logits[r]
+    return out
+
+
+def score(setup: Setup, task: tasks.Task, params, split_name: str) -> dict:
+    split = task.splits[split_name]
+    logits = predict(setup, params, split)
+    if setup.kind == "tokens":
+        keep = [np.asarray(y) >= 0 for y in split.y]
+        y_true = [np.asarray(y)[k] for y, k in zip(split.y, keep, strict=True)]
+        y_pred = [np.argmax(lg, -1)[k] for lg, k in zip(logits, keep, strict=True)]
+    elif setup.kind == "regression":
+        y_true, y_pred = split.y, [float(lg[0]) for lg in logits]
+    else:
+        y_true, y_pred = split.y, [int(np.argmax(lg)) for lg in logits]
+    return heads.metrics(setup.kind, y_true, y_pred, task.labels)
+
+
+def initial_params(setup: Setup, encoder: dict, seed: int) -> dict:
+    key = jax.random.fold_in(jax.random.key(seed), 0)
+    head = heads.init_head(setup.style, setup.model_config, setup.kind, setup.outputs, key,
+                           mlm_head=encoder.get("head"))
+    body = {k: v for k, v in encoder.items() if k != "head"}
+    return {"encoder": jax.tree.map(jnp.array, body), "head": head}
+
+
+def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
+            advance=None) -> tuple[dict, dict]:
+    """Fine-tune ``encoder`` once; returns (record, params). ``advance(n)`` hears progress."""
+    started = time.perf_counter()
+    params = initial_params(setup, encoder, seed)
+    # Committed to the devices from the start, as the step's outputs are: an uncommitted first
+    # call would compile the step a second time.
+    where = (jax.devices()[0] if setup.sharding is None else
+             setup.sharding.update(spec=jax.sharding.PartitionSpec()))
+    params = jax.device_put(params, where)
+    opt_state = jax.device_put(setup.optimizer.init(params), where)
+    dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
+    split, protocol = task.splits["train"], setup.protocol
+    lr = jnp.float32(lr)
+    step, losses = 0, []
+    for epoch in range(protocol.epochs):
+        total = count = 0.0
+        rng = np.random.default_rng([seed, epoch])
+        for idx in batches(split, protocol.batch_size, setup.seq_len, rng):
+            b = arrays(split, idx, protocol.batch_size, setup.kind, setup.pad, setup.seq_len)
+            params, opt_state, s, n = setup.step_fn(params, opt_state, _device(setup, b),
+                                                    jax.random.fold_in(dropout_key, step), lr)
+            total, count = total + s, count + n
+            step += 1
+            if advance is not None:
+                advance(1)
+        losses.append(float(total) / max(float(count), 1.0))
+    if not np.isfinite(losses[-1]):
+        raise ValueError(f"fine-tuning diverged at learning rate {lr:g} (seed {seed}, loss "
+                         f"{losses[-1]}); drop that rate from --lr")
+    record = {"learning_rate": float(lr), "seed": seed, "steps": step,
+              "train_loss_per_epoch": losses,
+              "validation": score(setup, task, params, "validation"),
+              "test": score(setup, task, params, "test"),
+              "seconds": round(time.perf_counter() - started, 2)}
+    return record, params

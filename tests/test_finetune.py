@@ -1,0 +1,392 @@
+"""clozax finetune: every task kind learns, seeds repeat bitwise, a protocol resumes after a
+job's commit, exports are transformers' classes with its logits, bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from clozax.cli import main
+from clozax.core import locks
+from clozax.core import model_config as model_config_lib
+from clozax.core.pipeline import init_params
+from clozax.data.tokenizer import load_tokenizer
+from clozax.judge import finetune as ft
+from clozax.judge import finetune_glue as glue
+from clozax.judge import finetune_heads as heads
+from clozax.judge import finetune_jobs as jobs_lib
+from clozax.judge import finetune_tasks as tasks
+from clozax.judge.finetune_predict import logits_of, predict_file
+from clozax.train import finetuned
+from clozax.train.run_dir import load_run
+
+# Keywords and filler that are one piece each in the tiny run's 1,024-entry vocabulary.
+KEYWORDS = {"socket": "net", "thread": "task", "error": "fault"}
+FILLER = ["the", "returns", "a", "of", "values", "for", "each", "and", "is", "set", "to",
+          "when", "with", "an", "in", "on", "by", "file", "path", "name", "data", "list"]
+FAST = ft.Protocol(learning_rates=(5e-3,), seeds=1, epochs=12, batch_size=16, control=False)
+
+
+def _sentence(rng: random.Random, keyword: str | None, n: int = 8) -> list[str]:
+    words = [rng.choice(FILLER) for _ in range(n)]
+    if keyword is not None:
+        words[rng.randrange(n)] = keyword
+    return words
+
+
+def _write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _classification(path: Path, n: int = 360, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        word = list(KEYWORDS)[i % 3]
+        records.append({"text": " ".join(_sentence(rng, word)), "label": KEYWORDS[word]})
+    return _write_jsonl(path, records)
+
+
+def _pair(path: Path, n: int = 360) -> Path:
+    rng = random.Random(1)
+    records = []
+    for i in range(n):
+        word = list(KEYWORDS)[i % 3]
+        records.append({"text": " ".join(_sentence(rng, None)),
+                        "text_pair": " ".join(_sentence(rng, word)), "label": KEYWORDS[word]})
+    return _write_jsonl(path, records)
+
+
+def _regression(path: Path, n: int = 360) -> Path:
+    rng = random.Random(2)
+    records = []
+    for _ in range(n):
+        count = rng.randrange(4)
+        words = _sentence(rng, None)
+        for k in range(count):
+            words[k * 2] = "socket"
+        records.append({"text": " ".join(words), "label": float(count)})
+    return _write_jsonl(path, records)
+
+
+def _tokens(path: Path, n: int = 300) -> Path:
+    rng = random.Random(3)
+    records = []
+    for _ in range(n):
+        words = _sentence(rng, rng.choice([None, *KEYWORDS]))
+        words[rng.randrange(len(words))] = rng.choice(list(KEYWORDS))
+        tags = [f"B-{KEYWORDS[w].upper()}" if w in KEYWORDS else "O" for w in words]
+        records.append({"tokens": words, "tags": tags})
+    return _write_jsonl(path, records)
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tasks")
+    return {"classification": _classification(d / "cls.jsonl"), "pair": _pair(d / "pair.jsonl"),
+            "regression": _regression(d / "reg.jsonl"), "tokens": _tokens(d / "tok.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def finetuned_runs(tiny_run, task_files, tmp_path_factory):
+    """Each kind fine-tuned once on a copy of the tiny run (the result of every kind)."""
+    import shutil
+
+    run = tmp_path_factory.mktemp("ft") / "run"
+    shutil.copytree(tiny_run, run)
+    results = {}
+    for kind, path in task_files.items():
+        results[kind] = ft.finetune_run(run, ft.TaskSpec(train=path, kind=kind), FAST,
+                                        say=lambda _: None, progress=False)
+    return run, results
+
+
+# --------------------------------------------------------------------------- learning
+
+
+@pytest.mark.parametrize("kind", tasks.KINDS)
+def test_each_task_kind_learns_beyond_a_constant_predictor(finetuned_runs, kind):
+    run, results = finetuned_runs
+    result = results[kind]
+    metric = result["task"]["metric"]
+    got = result["encoders"]["trained"]["selected"]["test"][metric]["mean"]
+    constant = result["constant_baseline"]["test"][metric]
+    margin = {"classification": 0.3, "pair": 0.3, "regression": 0.5, "tokens": 0.5}[kind]
+    assert got > constant + margin, (kind, got, constant)
+    assert (run / "finetune" / result["task"]["name"] / "model" / "finetuned.json").is_file()
+    if kind in ("classification", "pair"):
+        assert "tfidf" in result and result["tfidf"]["test"]["accuracy"] > constant
+
+
+def test_seeds_repeat_bitwise_and_differ_between_seeds(tiny_run, task_files):
+    run = load_run(tiny_run)
+    tok = load_tokenizer(run.tokenizer_path)
+    task = ft.load_task(ft.TaskSpec(train=task_files["classification"]), run, tok)
+    protocol = ft.Protocol(learning_rates=(1e-3,), seeds=1, epochs=1, batch_size=16)
+    setup = jobs_lib.make_setup(run.config.model, task, protocol, run.specials["pad"], 64)
+    runs = [jobs_lib.run_job(setup, task, run.params, 1e-3, seed)[1] for seed in (0, 0, 1)]
+    flat = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)]) for p in runs]
+    assert np.array_equal(flat[0], flat[1])
+    assert not np.array_equal(flat[0], flat[2])
+
+
+def test_a_protocol_killed_after_a_job_commit_resumes_to_the_same_result(
+        tiny_run_copy, task_files, monkeypatch):
+    spec = ft.TaskSpec(train=task_files["classification"], name="resume")
+    protocol = ft.Protocol(learning_rates=(1e-3, 3e-3), seeds=2, epochs=1, batch_size=16)
+    real, calls = jobs_lib.run_job, []
+
+    def dies_on_the_third(*args, **kwargs):
+        calls.append(args[3:5])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a kill between two jobs leaves the directory
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jobs_lib, "run_job", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
+    monkeypatch.setattr(jobs_lib, "run_job", real)
+    said = []
+    resumed = ft.finetune_run(tiny_run_copy, spec, protocol, say=said.append, progress=False)
+    assert any("2 of 8 jobs already done" in s for s in said), said
+    fresh = ft.finetune_run(tiny_run_copy, ft.TaskSpec(train=task_files["classification"],
+                                                       name="fresh"), protocol,
+                            say=lambda _: None, progress=False)
+
+    assert _without_seconds(resumed) == _without_seconds(fresh)
+    # One writer: a second protocol on the same task while one holds it is refused.
+    out = tiny_run_copy / "finetune" / "resume"
+    with locks.hold(out, "test"), pytest.raises(locks.Locked, match="is being written"):
+        ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
+
+
+def _without_seconds(result: dict) -> str:
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if "seconds" not in k}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return json.dumps(strip(result["encoders"]), sort_keys=True)
+
+
+# --------------------------------------------------------------------------- metrics, tasks
+
+
+def test_entity_f1_follows_seqeval():
+    # seqeval's documented example: F1 0.50 (one of two entities exactly right).
+    gold = [["O", "O", "O", "B-MISC", "I-MISC", "I-MISC", "O"], ["B-PER", "I-PER", "O"]]
+    pred = [["O", "O", "B-MISC", "I-MISC", "I-MISC", "I-MISC", "O"], ["B-PER", "I-PER", "O"]]
+    assert heads.entity_f1(gold, pred)["entity_f1"] == pytest.approx(0.5)
+    # conlleval reading: an I- after O starts a chunk; a change of type ends one.
+    assert heads.entities(["O", "I-PER", "I-PER", "I-LOC"]) == {("PER", 1, 2), ("LOC", 3, 3)}
+
+
+def test_token_labels_go_to_the_first_piece_and_round_trip(tiny_run):
+    run = load_run(tiny_run)
+    tok = load_tokenizer(run.tokenizer_path)
+    words = ["unbelievably", "long", "identifiers"]
+    raw = tasks.Raw(words=[words], targets=[["B-X", "O", "B-Y"]], groups=[""], where=["t"])
+    split, _ = tasks.encode(tok, raw, "tokens", ["B-X", "B-Y", "O"], run.specials, 64, "train")
+    enc = tok.encode(words, is_pretokenized=True, add_special_tokens=False)
+    assert len(enc.ids) > len(words)  # some word has several pieces
+    y = split.y[0]
+    first = [i + 1 for i, w in enumerate(enc.word_ids) if i == 0 or enc.word_ids[i - 1] != w]
+    assert [int(y[i]) for i in first] == [0, 2, 1]
+    assert sum(int(v) >= 0 for v in y) == 3 and y[0] == y[-1] == tasks.IGNORE
+
+
+GLUE_LINES = {
+    "cola": ("CoLA", None, ["gj04\t1\t\tThe sailors rode the breeze clear of the rocks.",
+                            "gj04\t0\t*\tThe more we study verbs, the crazier they get get."]),
+    "sst2": ("SST-2", "sentence\tlabel", ["a gorgeous film \t1", "dull and flat \t0"]),
+    "mrpc": ("MRPC", "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String",
+             ["1\t1\t2\tHe said so .\tHe said that .", "0\t3\t4\tIt rained .\tSun shone ."]),
+    "qqp": ("QQP", "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate",
+            ["1\t1\t2\tHow do I cook?\tHow to cook?\t1", "2\t3\t4\tWhy?\tWhere?\t0"]),
+    "stsb": ("STS-B", "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\t"
+                      "sentence2\tscore",
+             ["0\tmain\tf\t2012\t1\tnone\tnone\tA plane takes off.\tAn air plane is taking "
+              "off.\t5.000", "1\tmain\tf\t2012\t4\tnone\tnone\tA man plays.\tA cat sits.\t0.5"]),
+    "mnli": ("MNLI", "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\t"
+                     "sentence2_binary_parse\tsentence1_parse\tsentence2_parse\tsentence1\t"
+                     "sentence2\tlabel1\tgold_label",
+             ['0\t1\t1e\tgov\t( a )\t( b )\t(ROOT a)\t(ROOT b)\tConceptually "cream" skimming.'
+              '\tProduct and geography.\tneutral\tneutral',
+              "1\t2\t2e\tgov\t( c )\t( d )\t(ROOT c)\t(ROOT d)\tYou know.\tYou do.\t"
+              "entailment\tentailment"]),
+    "qnli": ("QNLI", "index\tquestion\tsentence\tlabel",
+             ["0\tWhen?\tIn May.\tentailment", "1\tWho?\tA cat.\tnot_entailment"]),
+    "rte": ("RTE", "index\tsentence1\tsentence2\tlabel",
+            ["0\tNo weapons.\tWeapons found.\tnot_entailment", "1\tA b.\tA.\tentailment"]),
+}
+
+
+def test_glue_layouts_parse(tmp_path):
+    for name, (folder, header, lines) in GLUE_LINES.items():
+        d = tmp_path / folder
+        d.mkdir()
+        text = "".join(line + "\n" for line in ([header] if header else []) + lines)
+        for file in ("train.tsv", glue.GLUE[name][4]):
+            (d / file).write_text(text)
+        train, dev, kind, _ = glue.read_glue(tmp_path, name)
+        assert len(train.targets) == len(dev.targets) == 2, name
+        assert kind == glue.GLUE[name][0]
+        assert all(len(t) == (1 if glue.GLUE[name][2] is None else 2) for t in train.texts)
+        assert all(s.strip() for t in train.texts for s in t)
+    assert train.texts[0] == ("No weapons.", "Weapons found.")
+    assert glue.read_glue(tmp_path, "mnli")[0].texts[0][0] == 'Conceptually "cream" skimming.'
+    assert glue.read_glue(tmp_path, "stsb")[0].targets == ["5.000", "0.5"]
+    assert glue.read_glue(tmp_path, "cola")[0].targets == ["1", "0"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no label field", "has no field 'label'"),
+    ("one class", "the training split has 1 class"),
+    ("unseen test label", "test label 'gamma' never appears in training"),
+    ("empty text", "field 'text' is empty"),
+    ("pair without its second text", "has no field 'text_pair'"),
+])
+def test_bad_task_input_is_one_line(tiny_run, tmp_path, case, message):
+    run = load_run(tiny_run)
+    tok = load_tokenizer(run.tokenizer_path)
+    good = [{"text": f"some text {i}", "label": "ab"[i % 2]} for i in range(40)]
+    kind, test = "classification", None
+    if case == "no label field":
+        records = [{"text": "x", "category": "a"}]
+    elif case == "one class":
+        records = [{**r, "label": "a"} for r in good]
+    elif case == "unseen test label":
+        records = good
+        test = _write_jsonl(tmp_path / "test.jsonl", [{"text": "t", "label": "gamma"}])
+    elif case == "empty text":
+        records = [*good, {"text": "  ", "label": "a"}]
+    else:
+        records, kind = good, "pair"
+    train = _write_jsonl(tmp_path / "train.jsonl", records)
+    with pytest.raises(ValueError) as error:
+        ft.load_task(ft.TaskSpec(train=train, test=test, kind=kind), run, tok)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_cli_says_a_bad_task_in_one_line(tiny_run, tmp_path, capsys):
+    train = _write_jsonl(tmp_path / "t.jsonl", [{"text": "x", "category": "a"}])
+    with pytest.raises(SystemExit) as exit_:
+        main(["finetune", str(tiny_run), "--task", str(train)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--label-field" in err[0]
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _fake_finetuned(tmp_path, tokenizer_path, family: str, kind: str, pooling="cls"):
+    """A fine-tuned model directory with random (non-trivial) encoder and head parameters."""
+    overrides = {"vocab_size": 1024}
+    if family == "roberta":
+        overrides["layer_norm"] = "pre"
+    preset = "modern-tiny" if family == "modern" else "tiny"
+    config = model_config_lib.preset(preset, **overrides)
+    if family == "modern":
+        import dataclasses
+
+        config = dataclasses.replace(config, attention_within_segments=False)
+    encoder = init_params(config, 0)
+    noise = jax.random.key(5)
+    encoder = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(noise, x.shape), encoder)
+    style = heads.style_for(config)
+    labels = None if kind == "regression" else ["B-A", "I-A", "O"] if kind == "tokens" \
+        else ["neg", "neu", "pos"]
+    head = heads.init_head(style, config, kind, 1 if labels is None else len(labels),
+                           jax.random.key(1), mlm_head=encoder["head"])
+    head = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), head)
+    body = {k: v for k, v in encoder.items() if k != "head"}
+    out = tmp_path / f"{family}-{kind}-{pooling}"
+    from clozax.core.vocab import SPECIAL_NAMES
+
+    specials = {name: i for i, name in enumerate(SPECIAL_NAMES)}
+    finetuned.write(out, {"encoder": body, "head": head}, config, {
+        "kind": kind, "labels": labels, "style": style, "pooling": pooling, "pair": False,
+        "seq_len": 64, "specials": specials, "task": "t", "dropout": 0.1}, tokenizer_path)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bert", "roberta", "modern"])
+def test_exported_classifiers_give_transformers_logits(tiny_run, tmp_path, family):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from clozax.interop import export_run
+
+    texts = ["the module returns a list", "a short one", "values for each file path name"]
+    tokenizer_path = load_run(tiny_run).tokenizer_path
+    cases = [("classification", "cls"), ("regression", "cls"), ("tokens", "cls")]
+    if family == "modern":
+        cases.append(("classification", "mean"))
+    for kind, pooling in cases:
+        model_dir = _fake_finetuned(tmp_path, tokenizer_path, family, kind, pooling)
+        hf_dir = export_run(model_dir, tmp_path / f"hf-{model_dir.name}")
+        auto = (transformers.AutoModelForTokenClassification if kind == "tokens"
+                else transformers.AutoModelForSequenceClassification)
+        hf = auto.from_pretrained(str(hf_dir)).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+        batch = tok(texts, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            theirs = hf(input_ids=batch["input_ids"],
+                        attention_mask=batch["attention_mask"]).logits.numpy()
+        model = finetuned.load(model_dir)
+        ids = [np.asarray(r, np.int32)[np.asarray(m, bool)]
+               for r, m in zip(batch["input_ids"].numpy(), batch["attention_mask"].numpy(),
+                               strict=True)]
+        split = tasks.Split(ids, [np.zeros(len(x), np.int32) if kind == "tokens" else 0
+                                  for x in ids], texts)
+        ours = logits_of(model, split)
+        for i, lg in enumerate(ours):
+            n = len(split.ids[i])
+            ref = theirs[i, :n] if kind == "tokens" else theirs[i]
+            assert np.abs(lg - ref).max() <= 1e-4, (family, kind, pooling,
+                                                    np.abs(lg - ref).max())
+        assert hf.config.id2label[0] == ("LABEL_0" if kind == "regression" else
+                                         model.meta["labels"][0])
+
+
+@pytest.mark.slow
+def test_pipelines_agree_with_predict(finetuned_runs, task_files, tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from clozax.interop import export_run
+
+    run, results = finetuned_runs
+    for kind, pipe in (("classification", "text-classification"),
+                       ("tokens", "token-classification")):
+        model_dir = run / "finetune" / results[kind]["task"]["name"] / "model"
+        hf_dir = export_run(model_dir, tmp_path / kind)
+        ours = predict_file(model_dir, task_files[kind])[:12]
+        records = [json.loads(line) for line in task_files[kind].read_text().splitlines()][:12]
+        p = transformers.pipeline(pipe, model=str(hf_dir), device="cpu")
+        if kind == "classification":
+            theirs = p([r["text"] for r in records])
+            assert [t["label"] for t in theirs] == [o["label"] for o in ours]
+            assert np.allclose([t["score"] for t in theirs], [o["score"] for o in ours],
+                               atol=1e-4)
+        else:
+            tok = load_tokenizer(model_dir / "tokenizer.json")
+            for record, mine in zip(records, ours, strict=True):
+                words = record["tokens"]
+                word_ids = tok.encode(words, is_pretokenized=True,
+                                      add_special_tokens=False).word_ids
+                first = [i + 1 for i, w in enumerate(word_ids)
+                         if i == 0 or word_ids[i - 1] != w]  # after [CLS]
+                theirs = p(" ".join(words))  # per token, "O" left out
+                at_first = {t["index"]: t["entity"] for t in theirs if t["index"] in first}
+                tags = {pos: w["tag"] for pos, w in zip(first, mine["tokens"], strict=True)
+                        if w["tag"] != "O"}
+                assert at_first == tags, (words, at_first, tags)
