@@ -14,8 +14,8 @@ import pytest
 from clozax import demo as demo_lib
 
 SECTIONS = ["Headline", "Training", "What the model predicts",
-            "Held-out evaluation by corruption kind", "Downstream probe", "Failure cases",
-            "Audit", "Provenance"]
+            "Held-out evaluation by corruption kind", "Downstream probe", "Fine-tuning",
+            "Failure cases", "Audit", "Provenance"]
 
 
 def _demo(out, timeout=420):

@@ -18,8 +18,31 @@ from clozax.report import page as report_lib
 from clozax.train.heldout import EvalMasks
 
 SECTIONS = ["Headline", "Training", "What the model predicts",
-            "Held-out evaluation by corruption kind", "Downstream probe", "Failure cases",
-            "Audit", "Provenance"]
+            "Held-out evaluation by corruption kind", "Downstream probe", "Fine-tuning",
+            "Failure cases", "Audit", "Provenance"]
+
+
+def _finetune_result() -> dict:
+    """A result.json of the shape finetune_run writes (its summaries from the real code)."""
+    from clozax.judge.finetune import summarise
+
+    def jobs(base):
+        return [{"learning_rate": lr, "seed": s, "seconds": 1.5,
+                 "validation": {"accuracy": base + 0.01 * s + lr},
+                 "test": {"accuracy": base + 0.02 * s, "macro_f1": base, "matthews": base / 2}}
+                for lr in (1e-4, 3e-4) for s in range(3)]
+
+    return {"task": {"name": "labels", "kind": "classification", "source": "docstrings",
+                     "metric": "accuracy", "examples": {"train": 90, "validation": 20,
+                                                        "test": 30}},
+            "protocol": {"seeds": 3, "learning_rates": [1e-4, 3e-4], "epochs": 3,
+                         "head": "bert"},
+            "encoders": {"trained": summarise(jobs(0.6), "accuracy"),
+                         "random_init": summarise(jobs(0.3), "accuracy")},
+            "tfidf": {"C": 10.0, "test": {"accuracy": 0.55}},
+            "constant_baseline": {"test": {"accuracy": 0.1}},
+            "trained_minus_random_init": {"metric": "accuracy", "mean": 0.3,
+                                          "outside_the_seed_spread": True}}
 
 
 def _ci(acc):
@@ -76,6 +99,8 @@ def full_report(tiny_run, tmp_path_factory):
     evaluation = evaluate_run(run, failures=5)
     (run / "probe.json").write_text(json.dumps(PROBE))
     (run / "audit.json").write_text(json.dumps(AUDIT))
+    (run / "finetune" / "labels").mkdir(parents=True)
+    (run / "finetune" / "labels" / "result.json").write_text(json.dumps(_finetune_result()))
     path = report_lib.write_report(run)
     return run, path.read_text(encoding="utf-8"), evaluation
 
@@ -93,6 +118,7 @@ def test_report_without_evaluations_says_not_run_for_each_missing_file(bare_repo
         assert f"<h2>{title}</h2>" in page
     for title, command in (("Held-out evaluation by corruption kind", "clozax evaluate RUN"),
                            ("Downstream probe", "clozax probe RUN"),
+                           ("Fine-tuning", "clozax finetune RUN"),
                            ("Failure cases", "clozax evaluate RUN"),
                            ("Audit", "clozax audit RUN")):
         body = _section(page, title)
@@ -145,6 +171,8 @@ def test_panel_positions_are_fixed_evenly_spaced_and_prefer_mask_slots():
 def test_report_with_all_inputs_fills_every_table(full_report):
     run, page, evaluation = full_report
     assert "not run" not in page
+    tuned = _section(page, "Fine-tuning")
+    assert "0.6200 ± 0.0200" in tuned and "random-init encoder" in tuned and "TF-IDF" in tuned
     table = _section(page, "Held-out evaluation by corruption kind")
     for kind in ("all selected", "mask", "random", "keep"):
         assert f">{kind}</td>" in table

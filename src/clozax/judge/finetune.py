@@ -286,6 +286,8 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
             "learning_rate": chosen, "seed": meta_job["seed"],
             "validation": meta_job["validation"], "dropout": protocol.dropout,
         }, run.tokenizer_path)
+        for kept in jobs_dir.glob("best-lr*.safetensors"):  # model/ holds the one selected
+            kept.unlink()
     result = _result(run, task, protocol, setup, results, started)
     files.write_json(out / RESULT_FILE, result)
     return result

@@ -237,7 +237,7 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
     opt_state = jax.device_put(setup.optimizer.init(params), where)
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
     split, protocol = task.splits["train"], setup.protocol
-    lr = jnp.float32(lr)
+    rate = jnp.float32(lr)
     step, losses = 0, []
     for epoch in range(protocol.epochs):
         total = count = 0.0
@@ -245,7 +245,7 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
         for idx in batches(split, protocol.batch_size, setup.seq_len, rng):
             b = arrays(split, idx, protocol.batch_size, setup.kind, setup.pad, setup.seq_len)
             params, opt_state, s, n = setup.step_fn(params, opt_state, _device(setup, b),
-                                                    jax.random.fold_in(dropout_key, step), lr)
+                                                    jax.random.fold_in(dropout_key, step), rate)
             total, count = total + s, count + n
             step += 1
             if advance is not None:
@@ -254,7 +254,7 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
     if not np.isfinite(losses[-1]):
         raise ValueError(f"fine-tuning diverged at learning rate {lr:g} (seed {seed}, loss "
                          f"{losses[-1]}); drop that rate from --lr")
-    record = {"learning_rate": float(lr), "seed": seed, "steps": step,
+    record = {"learning_rate": lr, "seed": seed, "steps": step,
               "train_loss_per_epoch": losses,
               "validation": score(setup, task, params, "validation"),
               "test": score(setup, task, params, "test"),

@@ -2,8 +2,9 @@
 what a run directory holds, plus the figures as PNG files in ``RUN/report/``.
 
 It reads ``config.json``, ``run.json``, ``metrics.jsonl``, ``eval_masks.json`` and, when present,
-``eval.json`` + ``failures.jsonl`` (``clozax evaluate``), ``probe.json`` (``clozax probe``) and
-``audit.json`` (``clozax audit``); a missing file makes its section say "not run". The
+``eval.json`` + ``failures.jsonl`` (``clozax evaluate``), ``probe.json`` (``clozax probe``),
+``finetune/*/result.json`` (``clozax finetune``) and ``audit.json`` (``clozax audit``); a
+missing file makes its section say "not run". The
 probability panel (``clozax.judge.panel``) runs the latest checkpoint, so it needs the
 checkpoint and the run's dataset. The page is ``templates/report.html.j2`` (jinja2,
 autoescaped) over the data ``clozax.report.sections`` builds.
@@ -59,6 +60,8 @@ def write_report(run_dir: Path) -> Path:
     config = run_config.to_dict()
     ev = read_json(run_dir / "eval.json")
     probe = read_json(run_dir / "probe.json")
+    finetuned = [r for path in sorted((run_dir / "finetune").glob("*/result.json"))
+                 if (r := read_json(path)) is not None]
     audit = read_json(run_dir / "audit.json")
     masks_meta = read_json(run_dir / "eval_masks.json")
     cases = read_jsonl(run_dir / "failures.jsonl")
@@ -106,6 +109,7 @@ def write_report(run_dir: Path) -> Path:
         "panel_error": panel_error,
         "evaluation": ev and sections.evaluation(ev, step),
         "probe": probe and sections.probe_section(probe),
+        "finetune": [sections.finetune_section(r) for r in finetuned],
         "failures": (ev is not None or cases) and {
             "shown": min(len(cases), FAILURES_SHOWN), "total": len(cases),
             "table": sections.failures_table(cases[:FAILURES_SHOWN])},

@@ -149,6 +149,42 @@ def probe_section(probe: dict) -> dict:
             "classifier": probe.get("classifier", ""), "bootstrap": str(probe.get("bootstrap"))}
 
 
+def finetune_section(result: dict) -> dict:
+    """One fine-tuned task (``RUN/finetune/TASK/result.json``): each encoder at the rate chosen
+    on validation, its test metric's mean ± std over seeds and worst seed, then the baselines."""
+    task, metric = result["task"], result["task"]["metric"]
+
+    def num(x):
+        return f"{x:.4f}"
+
+    rows = []
+    for name, r in result["encoders"].items():
+        sel = r["selected"]
+        m = sel["test"][metric]
+        rows.append([name.replace("_", "-") + " encoder", f"{sel['learning_rate']:g}",
+                     f"{num(m['mean'])} ± {num(m['std'])}", num(m["worst"]),
+                     f"{sel['seconds_per_job']:.1f}"])
+    if "tfidf" in result:
+        rows.append(["TF-IDF + logistic regression", f"C={result['tfidf']['C']:g}",
+                     num(result["tfidf"]["test"][metric]), "", ""])
+    rows.append(["constant predictor", "", num(result["constant_baseline"]["test"][metric]),
+                 "", ""])
+    d = result.get("trained_minus_random_init")
+    ex = task["examples"]
+    facts = (f"{task['name']} ({task['kind']}, {task['source']}): train {ex['train']}, "
+             f"validation {ex['validation']}, test {ex['test']} examples; "
+             f"{result['protocol']['seeds']} seeds × learning rates "
+             f"{result['protocol']['learning_rates']}, {result['protocol']['epochs']} epochs, "
+             f"{result['protocol']['head']} head")
+    if d:
+        facts += (f"; trained − random init {d['mean']:+.4f} "
+                  + ("(outside the seed spread)" if d["outside_the_seed_spread"]
+                     else "(not outside the seed spread)"))
+    return {"table": Table(["encoder", "learning rate", f"test {metric} (mean ± std)",
+                            "worst seed", "s / job"], rows, frozenset({1, 2, 3, 4})),
+            "facts": facts}
+
+
 def panel_table(panel: list[dict]) -> Table:
     rows = [[marked(x["text"]), token_label(x["target"]), x["kind"],
              f"{x['target_probability']:.3f}", str(x["target_rank"] + 1),
