@@ -77,8 +77,8 @@ def wordnet_task(path: Path, per_class: int, seed: int = 0) -> Path:
         if len(text.split()) >= 3:
             by_class[label].append({"text": text, "label": label, "group": group})
 
-    def key(r):
-        return hashlib.sha256(f"{seed}\x00{r['group']}".encode()).hexdigest()
+    def key(r):  # a key of its own: the split hashes groups with the seed alone
+        return hashlib.sha256(f"wordnet-sample:{seed}\x00{r['group']}".encode()).hexdigest()
 
     records = []
     for label in sorted(by_class):
