@@ -274,7 +274,6 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     results = {e: summarise(rs, task.metric) for e, rs in records.items()}
     chosen = results["trained"]["selected"]["learning_rate"]
     best = jobs_dir / f"best-lr{chosen:g}.safetensors"
-    params = {"encoder": None, "head": None}
     if best.is_file():
         params = finetuned.unflatten(load_file(str(best)))
         meta_job = json.loads((jobs_dir / f"best-lr{chosen:g}.json").read_text())
