@@ -223,6 +223,7 @@ class ClozaxSide:
         import jax.numpy as jnp
 
         from clozax.core import model as M
+        from clozax.core import optim as optim_lib
         from clozax.core import pipeline
         from clozax.core.vocab import Vocabulary
         from clozax.train import config as C
@@ -241,7 +242,7 @@ class ClozaxSide:
         seq = shape["seq"]
         keys = pipeline.Keys.from_seed(0)
         params = M.init(self.cfg.model, keys.init)
-        optimizer, schedule = pipeline.make_optimizer(self.cfg.optim, 10_000, params)
+        optimizer, schedule = optim_lib.make_optimizer(self.cfg.optim, 10_000, params)
         self.state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
         self.mask_key = keys.mask
         self.step_fn = jax.jit(

@@ -15,6 +15,7 @@ from clozax.train import hostmem
 applied = hostmem.keep_freed_memory()  # first, as clozax train does
 import jax, jax.numpy as jnp, numpy as np
 from clozax.core import model as M, pipeline
+from clozax.core import optim as optim_lib
 from clozax.core.vocab import Vocabulary
 from clozax.train import config as C, step as step_lib
 
@@ -23,7 +24,7 @@ cfg = C.resolve(preset="small", overrides=["model.vocab_size=2048", "train.batch
 vocab = Vocabulary(2048, {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4})
 keys = pipeline.Keys.from_seed(0)
 params = M.init(cfg.model, keys.init)
-optimizer, schedule = pipeline.make_optimizer(cfg.optim, 100, params)
+optimizer, schedule = optim_lib.make_optimizer(cfg.optim, 100, params)
 state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 step = jax.jit(step_lib.make_train_step(cfg, vocab, 128, optimizer, schedule), donate_argnums=0)
 rng = np.random.default_rng(0)

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from clozax.cli import main
 from clozax.core import files
-from clozax.core.pipeline import adam_state
+from clozax.core.optim import adam_state
 from clozax.data import open_dataset, prepare
 from clozax.judge.evaluate import evaluate_run
 from clozax.judge.failures import token_piece

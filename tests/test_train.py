@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from clozax.core import model_config, pipeline
+from clozax.core import optim as optim_lib
 from clozax.core.vocab import Vocabulary
 from clozax.data import open_dataset
 from clozax.data.loader import batch_rows, host_batch
@@ -85,7 +86,7 @@ DEVICE_RUN = ["train.batch_size=8", "train.steps=3", "train.eval_every=3", "trai
 DEVICE_SCRIPT = r"""
 import json, sys
 import jax, numpy as np
-from clozax.core.pipeline import adam_state
+from clozax.core.optim import adam_state
 from clozax.train import config as C, loop as T
 from clozax.train.run_dir import load_run
 data, out, base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -358,7 +359,7 @@ def _trajectory(ds, cfg, steps=10):
     from clozax.core import model as model_lib
 
     params = model_lib.init(cfg.model, jax.random.key(0))
-    optimizer, schedule = pipeline.make_optimizer(cfg.optim, steps, params)
+    optimizer, schedule = optim_lib.make_optimizer(cfg.optim, steps, params)
     step = jax.jit(step_lib.make_train_step(cfg, _vocab(ds), ds.seq_len, optimizer, schedule))
     state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     losses = []

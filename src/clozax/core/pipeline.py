@@ -1,5 +1,5 @@
 """Pieces of the training pipeline that every stage shares: named keys, the batch masker,
-random-init parameters, and the train state with its optimizer.
+random-init parameters, and the train state with its optimizer (``core/optim.py``).
 
 Training uses them to build its step; evaluation, the audit and the probe use the same ones, so
 that what is judged is exactly what was trained (the same masker, the same init key).
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clozax.core import masking
+from clozax.core import masking, optim
 from clozax.core import model as model_lib
 from clozax.core.vocab import Vocabulary
 
@@ -79,80 +79,10 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-class ScheduleState(NamedTuple):
-    """The learning-rate schedule's position, kept in the optimizer state (so in checkpoints):
-    updates done, and the run's total length, which ``--minutes`` and ``--extend-to`` set without
-    recompiling the step (it is data, not a constant of the compiled program)."""
-
-    count: jax.Array  # () int32
-    total_steps: jax.Array  # () int32
-
-
-def learning_rate(optim, count, total_steps):
-    """The rate of update ``count`` (0-based) of a ``total_steps`` run: linear warm-up over
-    ``min(optim.warmup_steps, total_steps - 1)`` updates, then linear or cosine decay to
-    ``optim.end_lr_fraction`` of the peak at ``total_steps``. jnp throughout, so ``count`` and
-    ``total_steps`` may be traced."""
-    count = jnp.asarray(count, jnp.float32)
-    total = jnp.asarray(total_steps, jnp.float32)
-    peak, end = optim.learning_rate, optim.learning_rate * optim.end_lr_fraction
-    warmup = jnp.minimum(float(optim.warmup_steps), jnp.maximum(total - 1.0, 0.0))
-    frac = jnp.clip((count - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
-    if optim.schedule == "cosine":
-        decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
-    else:
-        decayed = peak + (end - peak) * frac
-    warming = peak * count / jnp.maximum(warmup, 1.0)
-    return jnp.where(count < warmup, warming, decayed)
-
-
-def _scale_by_schedule(optim, total_steps: int) -> optax.GradientTransformation:
-    """Multiply updates by ``-learning_rate(count, total_steps)``; both live in the state."""
-
-    def init(params):
-        return ScheduleState(jnp.zeros((), jnp.int32), jnp.asarray(total_steps, jnp.int32))
-
-    def update(updates, state, params=None):
-        lr = learning_rate(optim, state.count, state.total_steps)
-        updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
-        return updates, ScheduleState(state.count + 1, state.total_steps)
-
-    return optax.GradientTransformation(init, update)
-
-
-def make_optimizer(optim, steps: int, params) -> tuple:
-    """AdamW (no decay on biases, LayerNorm, embeddings) with global-norm clipping and the
-    warm-up/decay schedule of ``learning_rate``. ``optim`` is an ``OptimConfig``.
-
-    Returns ``(optimizer, rate)``: ``rate(opt_state)`` is the learning rate of the next update.
-    """
-    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
-    parts += [
-        optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
-        optax.add_decayed_weights(optim.weight_decay, mask=model_lib.decay_mask(params)),
-        _scale_by_schedule(optim, steps),
-    ]
-
-    def rate(opt_state):
-        schedule = opt_state[-1]
-        return learning_rate(optim, schedule.count, schedule.total_steps)
-
-    return optax.chain(*parts), rate
-
-
 def with_total_steps(state: TrainState, steps: int) -> TrainState:
     """``state`` with the schedule's total length set to ``steps`` (``--minutes``,
-    ``--extend-to``); the AdamW moments and counts are kept."""
-    schedule = state.opt_state[-1]
-    total = jnp.asarray(steps, schedule.total_steps.dtype)
-    if hasattr(schedule.total_steps, "sharding"):
-        total = jax.device_put(total, schedule.total_steps.sharding)
-    return state._replace(opt_state=(*state.opt_state[:-1], schedule._replace(total_steps=total)))
-
-
-def adam_state(opt_state) -> optax.ScaleByAdamState:
-    """The AdamW moments (``mu``, ``nu``) and count within ``make_optimizer``'s state."""
-    return next(s for s in opt_state if isinstance(s, optax.ScaleByAdamState))
+    ``--extend-to``); the optimizer's moments and counts are kept."""
+    return state._replace(opt_state=optim.with_total_steps(state.opt_state, steps))
 
 
 def new_state(params, optimizer) -> TrainState:

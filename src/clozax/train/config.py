@@ -21,6 +21,7 @@ from pathlib import Path
 
 from clozax.core.masking import CorruptionPolicy, validate_rate
 from clozax.core.model_config import PRESETS, ModelConfig
+from clozax.core.optim import OPTIMIZERS, SCHEDULES
 
 MAX_MASK_RATE = 0.5  # Wettig et al. found up to 0.4 useful for large models
 SEED_LIMIT = 2**32  # jax.random.key folds larger seeds onto smaller ones (2**32 gives seed 0)
@@ -85,9 +86,13 @@ class MaskingConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    optimizer: str = "adamw"  # "adamw", "stable_adamw" or "lamb" (core/optim.py says how)
     learning_rate: float = 1e-3
     warmup_steps: int = 50
-    schedule: str = "linear"  # decay after warm-up: "linear" or "cosine"
+    schedule: str = "linear"  # the decay's shape: "linear", "cosine" or "1-sqrt"
+    # Share of the post-warm-up updates spent decaying; below 1 the rate stays at its peak
+    # until then (warmup-stable-decay).
+    decay_fraction: float = 1.0
     end_lr_fraction: float = 0.0
     weight_decay: float = 0.01
     b1: float = 0.9
@@ -98,8 +103,10 @@ class OptimConfig:
     def __post_init__(self):
         check_real("optim.learning_rate", self.learning_rate, 0.0, math.inf, low_open=True,
                    high_open=True)
+        check_choice("optim.optimizer", self.optimizer, OPTIMIZERS)
         check_int("optim.warmup_steps", self.warmup_steps, 0)
-        check_choice("optim.schedule", self.schedule, ("linear", "cosine"))
+        check_choice("optim.schedule", self.schedule, SCHEDULES)
+        check_real("optim.decay_fraction", self.decay_fraction, 0.0, 1.0, low_open=True)
         check_real("optim.end_lr_fraction", self.end_lr_fraction, 0.0, 1.0)
         for name in ("weight_decay", "clip_norm"):
             check_real(f"optim.{name}", getattr(self, name), 0.0, math.inf, high_open=True)

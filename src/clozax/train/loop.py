@@ -23,12 +23,12 @@ from jax.sharding import PartitionSpec as P
 
 from clozax.core import files
 from clozax.core import model as model_lib
+from clozax.core.optim import make_optimizer
 from clozax.core.pipeline import (
     Keys,
     TrainState,
     init_params,
     make_masker,
-    make_optimizer,
     new_state,
     with_total_steps,
 )

@@ -23,7 +23,8 @@ from clozax import __version__
 from clozax.core import files, locks
 from clozax.core import model as model_lib
 from clozax.core.model_config import runnable_here
-from clozax.core.pipeline import TrainState, make_optimizer
+from clozax.core.optim import make_optimizer
+from clozax.core.pipeline import TrainState
 from clozax.data.dataset import Dataset, open_dataset
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib

@@ -1,0 +1,149 @@
+"""Learning-rate schedules and optimizers, composed from optax pieces.
+
+Schedules (``learning_rate``): a linear warm-up, then a stable stretch at the peak, then a decay
+(``linear | cosine | 1-sqrt``) to ``end_lr_fraction`` of the peak at the run's last update.
+``decay_fraction`` is the share of the post-warm-up updates spent decaying: 1 (the default) is the
+classic warm-up-then-decay; below 1 it is warmup-stable-decay (WSD, Hu et al. 2024), whose
+``1-sqrt`` cool-down (Hägele et al. 2024: lr = peak * (1 - sqrt(t)) over the decay's progress t)
+is what ModernBERT, Ettin and mmBERT end with.
+
+Optimizers (``make_optimizer``), every one with decoupled weight decay on dense kernels only
+(``model.decay_mask``: biases, norms and embeddings are not decayed) and the schedule last:
+
+- ``adamw``: ``scale_by_adam`` -> ``add_decayed_weights`` (Loshchilov & Hutter).
+- ``stable_adamw``: AdamW whose step size, per tensor, is divided by ``max(1, RMS_t)`` with
+  ``RMS_t = sqrt(mean(g_t^2 / max(v_hat_t, eps^2)))`` (Wortsman et al. 2023, Algorithm 2; the
+  update clipping ModernBERT's trainer uses in place of gradient clipping); the division also
+  scales that tensor's weight decay, as the step size does in the paper.
+- ``lamb``: AdamW's direction (with the weight decay) rescaled per tensor by the trust ratio
+  ``||w|| / ||u||`` (1 where either norm is 0), as ``optax.lamb`` composes it (You et al. 2020).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clozax.core import model as model_lib
+
+OPTIMIZERS = ("adamw", "stable_adamw", "lamb")
+SCHEDULES = ("linear", "cosine", "1-sqrt")
+
+
+class ScheduleState(NamedTuple):
+    """The learning-rate schedule's position, kept in the optimizer state (so in checkpoints):
+    updates done, and the run's total length, which ``--minutes`` and ``--extend-to`` set without
+    recompiling the step (it is data, not a constant of the compiled program)."""
+
+    count: jax.Array  # () int32
+    total_steps: jax.Array  # () int32
+
+
+def learning_rate(optim, count, total_steps):
+    """The rate of update ``count`` (0-based) of a ``total_steps`` run: linear warm-up over
+    ``min(optim.warmup_steps, total_steps - 1)`` updates, the peak until the decay starts
+    (``decay_fraction`` of the post-warm-up updates before the end), then the decay to
+    ``optim.end_lr_fraction`` of the peak at ``total_steps``. jnp throughout, so ``count`` and
+    ``total_steps`` may be traced."""
+    count = jnp.asarray(count, jnp.float32)
+    total = jnp.asarray(total_steps, jnp.float32)
+    peak, end = optim.learning_rate, optim.learning_rate * optim.end_lr_fraction
+    warmup = jnp.minimum(float(optim.warmup_steps), jnp.maximum(total - 1.0, 0.0))
+    # decay_fraction 1 keeps the classic program as it was (start = warm-up's end, exactly)
+    start = warmup if optim.decay_fraction == 1.0 else \
+        total - optim.decay_fraction * (total - warmup)
+    frac = jnp.clip((count - start) / jnp.maximum(total - start, 1.0), 0.0, 1.0)
+    if optim.schedule == "cosine":
+        decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+    elif optim.schedule == "1-sqrt":
+        decayed = end + (peak - end) * (1.0 - jnp.sqrt(frac))
+    else:
+        decayed = peak + (end - peak) * frac
+    warming = peak * count / jnp.maximum(warmup, 1.0)
+    return jnp.where(count < warmup, warming, decayed)
+
+
+def scale_by_schedule(optim, total_steps: int) -> optax.GradientTransformation:
+    """Multiply updates by ``-learning_rate(count, total_steps)``; both live in the state."""
+
+    def init(params):
+        return ScheduleState(jnp.zeros((), jnp.int32), jnp.asarray(total_steps, jnp.int32))
+
+    def update(updates, state, params=None):
+        lr = learning_rate(optim, state.count, state.total_steps)
+        updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
+        return updates, ScheduleState(state.count + 1, state.total_steps)
+
+    return optax.GradientTransformation(init, update)
+
+
+def clip_by_update_rms(inner: optax.GradientTransformation, b2: float,
+                       eps: float) -> optax.GradientTransformation:
+    """StableAdamW's update clipping around ``inner`` = chain(scale_by_adam, weight decay):
+    each tensor's update divided by ``max(1, sqrt(mean(g^2 / max(v_hat, eps^2))))``, with
+    ``v_hat`` the bias-corrected second moment ``scale_by_adam`` has just updated."""
+
+    def update(grads, state, params=None):
+        updates, state = inner.update(grads, state, params)
+        adam = state[0]
+        nu_hat = optax.tree.bias_correction(adam.nu, b2, adam.count)
+
+        def clipped(u, g, v):
+            g = g.astype(jnp.float32)
+            rms = jnp.sqrt(jnp.mean(g * g / jnp.maximum(v, eps * eps)))
+            return (u / jnp.maximum(1.0, rms)).astype(u.dtype)
+
+        return jax.tree.map(clipped, updates, grads, nu_hat), state
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def make_optimizer(optim, steps: int, params) -> tuple:
+    """``optim.optimizer`` (see the module docstring) with global-norm clipping (``clip_norm``;
+    0 disables) first and the schedule of ``learning_rate`` last. ``optim`` is an
+    ``OptimConfig``.
+
+    Returns ``(optimizer, rate)``: ``rate(opt_state)`` is the learning rate of the next update.
+    """
+    parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
+    adam = optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps)
+    decay = optax.add_decayed_weights(optim.weight_decay, mask=model_lib.decay_mask(params))
+    if optim.optimizer == "stable_adamw":
+        parts.append(clip_by_update_rms(optax.chain(adam, decay), optim.b2, optim.eps))
+    elif optim.optimizer == "lamb":
+        parts += [adam, decay, optax.scale_by_trust_ratio()]
+    else:
+        parts += [adam, decay]
+    parts.append(scale_by_schedule(optim, steps))
+
+    def rate(opt_state):
+        schedule = opt_state[-1]
+        return learning_rate(optim, schedule.count, schedule.total_steps)
+
+    return optax.chain(*parts), rate
+
+
+def with_total_steps(opt_state, steps: int):
+    """``opt_state`` with the schedule's total length set to ``steps`` (``--minutes``,
+    ``--extend-to``); the moments and counts are kept."""
+    schedule = opt_state[-1]
+    total = jnp.asarray(steps, schedule.total_steps.dtype)
+    if hasattr(schedule.total_steps, "sharding"):
+        total = jax.device_put(total, schedule.total_steps.sharding)
+    return (*opt_state[:-1], schedule._replace(total_steps=total))
+
+
+def adam_state(opt_state) -> optax.ScaleByAdamState:
+    """The Adam moments (``mu``, ``nu``) and count within ``make_optimizer``'s state, however
+    deeply the optimizer nests them."""
+    if isinstance(opt_state, optax.ScaleByAdamState):
+        return opt_state
+    if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):
+        for part in opt_state:
+            found = adam_state(part)
+            if found is not None:
+                return found
+    return None
