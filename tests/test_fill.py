@@ -36,6 +36,15 @@ def test_fill_rejects_bad_top_k(tiny_run):
         fill(tiny_run, "a [MASK]", top_k=0)
 
 
+def test_fill_refuses_a_text_past_the_length_the_run_trained_on(tiny_run):
+    run = load_run(tiny_run)
+    assert run.trained_length == 64 < run.config.model.max_positions == 128
+    text = " ".join(["return"] * 70) + " [MASK]"  # under 128 positions, over the 64 trained
+    with pytest.raises(ValueError, match="longer than the 64 run .* was trained on"):
+        fill(tiny_run, text)
+    assert fill(tiny_run, " ".join(["return"] * 50) + " [MASK]")  # within it: answered
+
+
 def test_fill_cli_rejects_text_without_mask_or_too_long_in_one_line(tiny_run):
     too_long = " ".join(["word"] * (load_run(tiny_run).config.model.max_positions + 5))
     for text, message in (("no blank here", "has no [MASK]"),

@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 from clozax import interop  # noqa: E402
 from clozax.core import model as model_lib  # noqa: E402
 from clozax.core import model_config  # noqa: E402
+from clozax.interop.families import for_model  # noqa: E402
 from clozax.interop.imports import write_run  # noqa: E402
 from clozax.train.run_dir import load_run  # noqa: E402
 
@@ -360,6 +361,22 @@ def test_import_hf_refuses_bad_input_with_one_line_error(kind, words, hf_dirs, t
     assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_a_run_trained_on_64_token_rows_exports_64_positions_with_parity(tiny_run, tmp_path):
+    run = load_run(tiny_run)
+    assert run.config.model.max_positions == 128 and run.trained_length == 64
+    out = interop.export_run(tiny_run, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    offset = for_model(run.config.model).position_offset(run.specials["pad"])  # RoBERTa's pad+1
+    assert config["max_position_embeddings"] == 64 + offset
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    assert interop.hf_parity(tiny_run, out, TEXTS) < TOL
+    back = load_run(interop.import_hf(out, tmp_path / "back"))
+    np.testing.assert_array_equal(np.asarray(back.params["embeddings"]["position"]),
+                                  np.asarray(run.params["embeddings"]["position"])[:64])
+    with pytest.raises(ValueError, match="longer than the 64"):
+        interop.hf_parity(tiny_run, out, [" ".join(["return"] * 70)])
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 from clozax.core import files
 from clozax.core.files import staged_dir
 from clozax.interop.families import for_model
+from clozax.interop.family import at_trained_length
 from clozax.interop.hf_files import check_fresh_output, special_tokens, write_tokenizer
 from clozax.train import finetuned
 from clozax.train.run_dir import load_run
@@ -21,6 +22,8 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
 
     Files: config.json, model.safetensors, tokenizer.json (the run's, byte for byte),
     tokenizer_config.json and special_tokens_map.json (``PreTrainedTokenizerFast``).
+    ``model_max_length`` (and, for learned positions, ``max_position_embeddings``) is the
+    length the run trained on (``LoadedRun.trained_length``), not the table's size.
     Returns ``out_dir``.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -35,9 +38,10 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     with_head = bool(run.info.get("has_mlm_head", True))
     specials = run.specials
     tokens = special_tokens(run.tokenizer_path, specials)
-    model_config = run.config.model
+    length = run.trained_length
+    params, model_config = at_trained_length(run.params, run.config.model, length)
     family = for_model(model_config)
-    tensors = family.to_hf_tensors(run.params, model_config, specials["pad"], with_head)
+    tensors = family.to_hf_tensors(params, model_config, specials["pad"], with_head)
     check_fresh_output(out_dir, "export")
     with staged_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"),
@@ -45,5 +49,5 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
                             "clozax_step": str(run.step)})
         files.write_json(tmp / "config.json", family.hf_config(model_config, specials, with_head),
                          sort_keys=True)
-        write_tokenizer(tmp, run.tokenizer_path, tokens, model_config.max_positions)
+        write_tokenizer(tmp, run.tokenizer_path, tokens, length)
     return out_dir

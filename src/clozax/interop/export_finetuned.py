@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 from clozax.core import files
 from clozax.core.files import staged_dir
 from clozax.interop.families import for_model
+from clozax.interop.family import at_trained_length
 from clozax.interop.hf_files import check_fresh_output, special_tokens, write_tokenizer
 from clozax.train import finetuned
 
@@ -57,13 +58,15 @@ def head_tensors(head: dict, family_type: str, kind: str, prefix: str) -> dict:
 
 def export_finetuned(model_dir: Path, out_dir: Path) -> Path:
     model = finetuned.load(model_dir)
-    meta, c = model.meta, model.model_config
+    meta = model.meta
+    length = int(meta.get("seq_len", model.model_config.max_positions))
+    encoder_params, c = at_trained_length(model.params["encoder"], model.model_config, length)
     family = for_model(c)
     if STYLE_OF_FAMILY[family.model_type] != meta["style"]:
         raise ValueError(f"{model_dir}: its {meta['style']} head does not match the "
                          f"{family.model_type} family its encoder exports as; fine-tune again")
     specials = {k: int(v) for k, v in meta["specials"].items()}
-    encoder = family.to_hf_tensors(model.params["encoder"], c, specials["pad"], with_head=False)
+    encoder = family.to_hf_tensors(encoder_params, c, specials["pad"], with_head=False)
     tensors = {f"{family.prefix}{k}": v for k, v in encoder.items()}
     tensors.update(head_tensors(model.params["head"], family.model_type, meta["kind"],
                                 family.prefix))
@@ -90,5 +93,5 @@ def export_finetuned(model_dir: Path, out_dir: Path) -> Path:
                   metadata={"format": "pt", "clozax_finetuned": str(Path(model_dir).absolute())})
         files.write_json(tmp / "config.json", config, sort_keys=True)
         write_tokenizer(tmp, model.tokenizer_path,
-                        special_tokens(model.tokenizer_path, specials), c.max_positions)
+                        special_tokens(model.tokenizer_path, specials), length)
     return out_dir

@@ -16,7 +16,7 @@ directions transpose them. The tied decoder weight is not written: HF ties it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +257,14 @@ def shape_config(family, model_config, with_head: bool) -> dict:
         "num_attention_heads": c.heads,
         "intermediate_size": c.intermediate,
     }
+
+
+def at_trained_length(params, model_config, length: int):
+    """``(params, model_config)`` as exported for a run trained on rows of ``length`` tokens:
+    learned positions keep only the trained rows of their table (``max_position_embeddings``
+    = ``length``: the rows past it are initial noise no export should advertise); RoPE has no
+    table, so its model is unchanged (the tokenizer's ``model_max_length`` says the length)."""
+    if model_config.positions != "learned" or length >= model_config.max_positions:
+        return params, model_config
+    embeddings = {**params["embeddings"], "position": params["embeddings"]["position"][:length]}
+    return {**params, "embeddings": embeddings}, replace(model_config, max_positions=length)

@@ -24,9 +24,7 @@ def hf_parity(run_dir: Path, hf_dir: Path, texts: list[str]) -> float:
     run = load_run(run_dir)
     ids, mask = encode_batch(run.tokenizer_path, texts, run.specials["pad"])
     c = run.config.model
-    if ids.shape[1] > c.max_positions:
-        raise ValueError(f"texts tokenize to {ids.shape[1]} tokens, over model.max_positions="
-                         f"{c.max_positions}; pass shorter texts")
+    run.check_length(ids.shape[1], "the longest text")
     segments = mask.astype(np.int32)  # one document per row
     with_head = bool(run.info.get("has_mlm_head", True))
     auto = transformers.AutoModelForMaskedLM if with_head else transformers.AutoModel

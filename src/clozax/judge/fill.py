@@ -49,6 +49,7 @@ def fill(run_dir: Path, text: str, top_k: int = 5) -> list[dict]:
     tokenizer = load_tokenizer(run.tokenizer_path)
     specials = run.specials
     ids = encode(tokenizer, specials, text, cfg.max_positions)
+    run.check_length(ids.size, "text")
     positions = np.nonzero(ids == specials["mask"])[0].astype(np.int32)
 
     @jax.jit

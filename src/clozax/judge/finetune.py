@@ -80,8 +80,7 @@ class TaskSpec:
 
 
 def load_task(spec: TaskSpec, run, tokenizer) -> tasks.Task:
-    seq_len = min(int(run.info.get("seq_len", run.config.model.max_positions)),
-                  run.config.model.max_positions)
+    seq_len = run.trained_length
     args = (tokenizer, run.specials, seq_len)
     name = spec.task_name()
     if spec.glue:

@@ -220,6 +220,8 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             "dataset_fingerprint": dataset.fingerprint,
             "tokenizer_sha256": dataset.tokenizer_sha256,
             "seq_len": seq_len,
+            # the longest row trained on, the source's included (LoadedRun.trained_length)
+            "trained_length": max(seq_len, init_run.trained_length if init_run else 0),
             "specials": dataset.specials,
             "seed": config.train.seed,
             "eval_seed": config.train.eval_seed,

@@ -51,6 +51,25 @@ class LoadedRun:
     def specials(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.info["specials"].items()}
 
+    @property
+    def trained_length(self) -> int:
+        """The longest row the run has trained on: positions past it were never trained (for
+        learned positions, their table rows are still initial noise). A run records it in
+        ``run.json`` (the longer of its dataset's ``seq_len`` and, with ``--init-from``, its
+        source's); older runs and imports fall back to ``seq_len``."""
+        length = self.info.get("trained_length", self.info.get("seq_len"))
+        return min(int(length or self.config.model.max_positions),
+                   self.config.model.max_positions)
+
+    def check_length(self, tokens: int, what: str) -> None:
+        """Refuse ``tokens`` positions past the trained length, in one line."""
+        if tokens > self.trained_length:
+            raise ValueError(
+                f"{what} is {tokens} tokens with [CLS]/[SEP], longer than the "
+                f"{self.trained_length} run {self.path} was trained on (positions past it "
+                f"are untrained; model.max_positions is {self.config.model.max_positions}); "
+                "shorten it, or train on longer rows first")
+
     def require_mlm_head(self, command: str) -> None:
         """Refuse MLM outputs of a run imported from a bare encoder (no trained MLM head)."""
         if not self.info.get("has_mlm_head", True):
