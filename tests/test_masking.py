@@ -186,3 +186,73 @@ def test_a_random_pool_with_a_special_id_is_rejected():
             mask_id=MASK_ID, vocab_size=VOCAB, random_ids=np.array([5, 6, 0]),
             special_ids=SPECIALS,
         )
+
+
+# --------------------------------------------------------------------------- a rate ramp
+
+
+def _ramp_masker(unit="token", rate_end=0.15, ramp_steps=10):
+    from clozax.core.pipeline import make_masker
+    from clozax.core.vocab import Vocabulary
+    from clozax.train.config import MaskingConfig
+
+    specials = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": MASK_ID}
+    config = MaskingConfig(rate=0.4, rate_end=rate_end, ramp_steps=ramp_steps, unit=unit)
+    return jax.jit(make_masker(config, Vocabulary(VOCAB, specials), 40)), config
+
+
+def _ramp_batch():
+    tokens = np.random.default_rng(0).integers(5, VOCAB, size=(6, 40)).astype(np.int32)
+    tokens[:, 0], tokens[:, -1] = 2, 3  # 38 eligible tokens per row, plenty at every rate
+    return {"tokens": tokens, "segments": np.ones_like(tokens),
+            "word_starts": np.random.default_rng(1).random(tokens.shape) < 0.6}
+
+
+def test_the_realised_masking_rate_follows_the_ramp_step_by_step():
+    masker, config = _ramp_masker()
+    batch, key = _ramp_batch(), jax.random.key(3)
+    for step in (0, 3, 5, 9, 10, 50):
+        masked, selection = masker(key, batch, step)
+        rate = 0.4 + (0.15 - 0.4) * min(step / 10, 1.0)
+        want = max(1, round(rate * 40))
+        assert (np.asarray(selection.valid).sum(axis=1) == want).all(), step
+        assert selection.valid.shape[1] == 16  # the slots of the ramp's highest rate, static
+        # corruption reaches exactly the selected positions, never the unused slots
+        assert (np.asarray(masked.selected).sum(axis=1) == want).all()
+        assert (np.asarray(masked.inputs)[~np.asarray(masked.selected)]
+                == batch["tokens"][~np.asarray(masked.selected)]).all()
+
+
+def test_a_lower_rate_of_the_ramp_selects_a_subset_of_a_higher_ones_positions():
+    masker, _ = _ramp_masker()
+    batch, key = _ramp_batch(), jax.random.key(5)
+    high = np.asarray(masker(key, batch, 0)[0].selected)
+    low = np.asarray(masker(key, batch, 10)[0].selected)
+    assert low.sum() < high.sum() and not (low & ~high).any()
+
+
+def test_whole_word_selection_keeps_under_the_ramps_count():
+    masker, _ = _ramp_masker(unit="word")
+    batch, key = _ramp_batch(), jax.random.key(7)
+    for step, want in ((0, 16), (10, 6)):
+        valid = np.asarray(masker(key, batch, step)[1].valid).sum(axis=1)
+        assert (valid <= want).all() and (valid >= want - 3).all(), (step, valid)
+
+
+def test_the_held_out_masks_of_a_ramp_use_its_end_rate():
+    masker, config = _ramp_masker()
+    _, selection = masker(jax.random.key(0), _ramp_batch())  # no step: the frozen set's masker
+    assert config.heldout_rate == 0.15
+    assert selection.valid.shape[1] == 6 and np.asarray(selection.valid).all()
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"rate_end": 0.7, "ramp_steps": 5}, "masking.rate_end=0.7 is outside"),
+    ({"rate_end": 0.15, "ramp_steps": 0}, "masking.ramp_steps=0 must be >= 1"),
+    ({"ramp_steps": 5}, "without masking.rate_end"),
+])
+def test_a_bad_ramp_is_refused_naming_the_key(kw, message):
+    from clozax.train.config import MaskingConfig
+
+    with pytest.raises(ValueError, match=message):
+        MaskingConfig(rate=0.3, **kw)

@@ -4,6 +4,7 @@ weight decay only on dense kernels; a run with WSD and StableAdamW resumes bitwi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shutil
 
@@ -160,14 +161,21 @@ def test_bad_optimizer_settings_name_the_key_and_the_choices(override, message):
 # --------------------------------------------------------------------------- in a run
 
 RECIPE = ["optim.optimizer=stable_adamw", "optim.schedule=1-sqrt", "optim.decay_fraction=0.5",
-          "optim.clip_norm=0", "optim.end_lr_fraction=0.02"]
+          "optim.clip_norm=0", "optim.end_lr_fraction=0.02",
+          "masking.rate=0.4", "masking.rate_end=0.15", "masking.ramp_steps=4"]
 
 
-def test_a_wsd_stable_adamw_run_trains_and_resumes_bitwise(stdlib_data, tmp_path, capsys):
+def test_a_wsd_stable_adamw_mask_ramp_run_resumes_mid_ramp_bitwise(stdlib_data, tmp_path,
+                                                                     capsys):
     cfg = config_lib.resolve(preset="tiny", overrides=[*TINY_OVERRIDES, *RECIPE])
     assert dataclasses.asdict(cfg.optim)["optimizer"] == "stable_adamw"
     whole = tmp_path / "whole"
     train_lib.train(stdlib_data, whole, cfg)
+    logged = {r["step"]: r["selected"] for r in map(json.loads, (whole / "metrics.jsonl")
+                                                    .read_text().splitlines()) if "selected" in r}
+    # updates 2 and 5 (0-based) of 8 rows x 64 tokens: rates 0.275 and 0.15, at most 18 and 10
+    # selected per row (fewer only in a row with fewer real tokens)
+    assert 8 * 10 < logged[3] <= 8 * 18 and logged[6] <= 8 * 10
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "checkpoints" / "6")  # as if killed after the step-3 save
@@ -179,3 +187,57 @@ def test_a_wsd_stable_adamw_run_trains_and_resumes_bitwise(stdlib_data, tmp_path
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(a.params))
+
+
+# --------------------------------------------------------------------------- decay branches
+
+WSD = ["optim.schedule=1-sqrt", "optim.decay_fraction=0.5"]  # 6 steps, warm-up 2: decay from 4
+
+
+def _one_line(capsys, argv) -> str:
+    from clozax.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err
+    return err
+
+
+def test_a_decay_branch_equals_a_run_trained_with_that_decay_from_scratch(
+        stdlib_data, tiny_run, tmp_path, capsys):
+    from clozax.cli import main
+
+    source = tmp_path / "wsd"
+    train_lib.train(stdlib_data, source,
+                    config_lib.resolve(preset="tiny", overrides=[*TINY_OVERRIDES, *WSD]))
+    branch = ["train", "--data", str(stdlib_data), "--out", str(tmp_path / "branch"),
+              "--decay-from", str(source), "--step", "3", "--steps", "4"]
+    main(branch)
+    said = capsys.readouterr()
+    assert "branched" in said.out and "steps 3->7" in said.err  # from RUN's step 3, not from 0
+    branched = load_run(tmp_path / "branch")
+    assert branched.step == 7 and branched.info["decayed_from"]["step"] == 3
+    assert branched.config.optim.decay_start_step == 3
+    # the same decay trained from step 0 in one run
+    fresh = tmp_path / "fresh"
+    train_lib.train(stdlib_data, fresh, branched.config)
+    for x, y in zip(jax.tree.leaves(branched.params), jax.tree.leaves(load_run(fresh).params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    lrs = [json.loads(line)["lr"] for line in (fresh / "metrics.jsonl").read_text().splitlines()
+           if "lr" in json.loads(line)]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] < 1e-3  # stable at 3, decayed by 6
+    main(branch)  # the same command again: the branch is resumed (here: already complete)
+    assert "trained 7 steps" in capsys.readouterr().out
+    # refused, one line each: past the stable stretch, a step without a checkpoint, a run
+    # with no stable stretch (linear decay from the warm-up's end)
+    for src, step, words in ((source, "6", "in the run's own decay (from step 4)"),
+                             (source, "5", "has no checkpoint of step 5; it has 3, 6"),
+                             (tiny_run, "3", "in the run's own decay (from step 2)")):
+        err = _one_line(capsys, ["train", "--data", str(stdlib_data), "--out",
+                                 str(tmp_path / f"bad{step}"), "--decay-from", str(src),
+                                 "--step", step, "--steps", "2"])
+        assert words in err, err
+        assert not (tmp_path / f"bad{step}").exists()

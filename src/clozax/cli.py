@@ -149,6 +149,10 @@ def train(
         typer.Option(help="Continue a finished run in --out to this many steps, with its "
                      "schedule re-created for the new length (AdamW state kept; recorded)."),
     ] = None,
+    decay_from: Annotated[Path | None, typer.Option(
+        help="Decay branch: a new --out from this run's stable checkpoint --step, decaying "
+             "over --steps updates (optimizer state kept).")] = None,
+    step: Annotated[int | None, typer.Option(help="With --decay-from: the checkpoint.")] = None,
     coordinator: Annotated[str | None, typer.Option(
         help="Multi-process job: process 0's HOST:PORT (also CLOZAX_COORDINATOR).")] = None,
     num_processes: Annotated[int | None, typer.Option(
@@ -169,6 +173,15 @@ def train(
     from clozax.train import loop as train_lib
     from clozax.train.run_dir import CONFIG_FILE, read_config
 
+    if decay_from is not None or step is not None:
+        from clozax.train.branch import decay_branch
+
+        if None in (decay_from, step, steps) or set_ or minutes or config or preset:
+            raise ValueError("a decay branch is --decay-from RUN --step S --steps N --out NEW "
+                             "(no --set, --config, --preset or --minutes: it keeps RUN's)")
+        resolved = decay_branch(decay_from, step, steps, out)
+        print(f"branched {out} from {decay_from} step {step}: decaying over {steps} updates")
+        steps = None
     overrides = list(set_ or [])
     for name, value in (("steps", steps), ("minutes", minutes), ("save_every", save_every),
                         ("eval_every", eval_every)):
@@ -181,7 +194,8 @@ def train(
         raise ValueError("--extend-to and --minutes cannot be combined; give one of them")
     # A run's model section comes from its saved config on every re-run.
     run_model = read_config(out)[0].model if existing else None
-    resolved = config_lib.resolve(config, preset, overrides, run_model=run_model)
+    if decay_from is None:
+        resolved = config_lib.resolve(config, preset, overrides, run_model=run_model)
     result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from,
                              extend_to=extend_to)
     summary = f"trained {result.steps} steps into {out}"

@@ -98,6 +98,19 @@ def selection_count(rate: float, seq_len: int) -> int:
     return max(1, round(rate * seq_len))
 
 
+def ramp_rate(start: float, end: float, ramp_steps: int, step):
+    """The masking rate of update ``step`` (0-based, may be traced) of a linear ramp from
+    ``start`` to ``end`` over ``ramp_steps`` updates, ``end`` after it."""
+    frac = jnp.clip(jnp.asarray(step, jnp.float32) / max(ramp_steps, 1), 0.0, 1.0)
+    return start + (end - start) * frac
+
+
+def ramp_count(start: float, end: float, ramp_steps: int, step, seq_len: int):
+    """() int32 slots in use at ``step``: ``max(1, round(rate × seq_len))`` of ``ramp_rate``."""
+    rate = ramp_rate(start, end, ramp_steps, step)
+    return jnp.maximum(1, jnp.round(rate * seq_len)).astype(jnp.int32)
+
+
 def validate_rate(rate: float, upper: float = 1.0) -> None:
     if not isinstance(rate, (int, float)) or not 0.0 < rate <= upper:
         raise ValueError(
@@ -108,30 +121,43 @@ def validate_rate(rate: float, upper: float = 1.0) -> None:
 # --------------------------------------------------------------------------- jittable cores
 
 
-def select_fixed(key: jax.Array, eligible: jax.Array, count: int) -> Selection:
+def select_fixed(key: jax.Array, eligible: jax.Array, count: int,
+                 active: jax.Array | None = None) -> Selection:
     """Choose ``count`` eligible positions per sequence uniformly without replacement.
 
     eligible: (batch, seq) bool. Where a sequence has fewer than ``count`` eligible positions,
     the surplus slots point at ineligible positions and are marked ``valid=False``.
+    ``active`` (a traced () int <= ``count``, for a masking-rate ramp): only that many slots
+    are selected (the highest-scoring, so still a uniform sample); the rest are invalid, and
+    the static slot count keeps one compiled program for every rate of the ramp.
     """
     # Uniform scores in [0, 1) for eligible positions, -1 for the rest: the top ``count``
     # scores are a uniform sample of the eligible positions, and ineligible ones come last.
     scores = jnp.where(eligible, jax.random.uniform(key, eligible.shape), -1.0)  # (batch, seq)
-    _, positions = jax.lax.top_k(scores, count)  # (batch, count)
-    positions = jnp.sort(positions, axis=-1).astype(jnp.int32)
-    valid = jnp.take_along_axis(eligible, positions, axis=-1)
+    _, positions = jax.lax.top_k(scores, count)  # (batch, count), best score first
+    if active is None:
+        positions = jnp.sort(positions, axis=-1).astype(jnp.int32)
+        valid = jnp.take_along_axis(eligible, positions, axis=-1)
+        return Selection(positions, valid)
+    in_use = jnp.broadcast_to(jnp.arange(count) < active, positions.shape)  # the best `active`
+    order = jnp.argsort(positions, axis=-1)
+    positions = jnp.take_along_axis(positions, order, axis=-1).astype(jnp.int32)
+    valid = (jnp.take_along_axis(eligible, positions, axis=-1)
+             & jnp.take_along_axis(in_use, order, axis=-1))
     return Selection(positions, valid)
 
 
 def select_words(
-    key: jax.Array, eligible: jax.Array, word_starts: jax.Array, count: int
+    key: jax.Array, eligible: jax.Array, word_starts: jax.Array, count: int,
+    active: jax.Array | None = None,
 ) -> Selection:
     """Whole-word selection: choose words in random order, all of their tokens, up to ``count``.
 
     word_starts: (batch, seq) bool, True at the first token of each word; a word runs from a
     start to the token before the next start. A word is eligible only if all its tokens are.
     Words are taken in random order until the next one would not fit in the ``count`` slots,
-    so no word is ever partly selected; slots left over are ``valid=False``.
+    so no word is ever partly selected; slots left over are ``valid=False``. ``active``
+    (traced, <= ``count``) caps the selected tokens below the slot count (a rate ramp).
     """
     batch, seq = eligible.shape
     words = seq + 1  # word ids are 0 (before the first start) .. seq
@@ -147,7 +173,7 @@ def select_words(
     score = jnp.where(word_ok, jax.random.uniform(key, (batch, words)), -1.0)
     order = jnp.argsort(-score, axis=-1)  # (batch, words), random order, ineligible last
     sorted_size = jnp.take_along_axis(jnp.where(word_ok, size, 0), order, axis=-1)
-    fits = jnp.cumsum(sorted_size, axis=-1) <= count
+    fits = jnp.cumsum(sorted_size, axis=-1) <= (count if active is None else active)
     sorted_take = fits & jnp.take_along_axis(word_ok, order, axis=-1)
     take_word = jnp.zeros((batch, words), bool).at[jnp.arange(batch)[:, None], order].set(
         sorted_take

@@ -5,7 +5,8 @@ Schedules (``learning_rate``): a linear warm-up, then a stable stretch at the pe
 ``decay_fraction`` is the share of the post-warm-up updates spent decaying: 1 (the default) is the
 classic warm-up-then-decay; below 1 it is warmup-stable-decay (WSD, Hu et al. 2024), whose
 ``1-sqrt`` cool-down (Hägele et al. 2024: lr = peak * (1 - sqrt(t)) over the decay's progress t)
-is what ModernBERT, Ettin and mmBERT end with.
+is what ModernBERT, Ettin and mmBERT end with. ``decay_start_step`` fixes the decay's first
+update exactly (a decay branch, ``train/branch.py``).
 
 Optimizers (``make_optimizer``), every one with decoupled weight decay on dense kernels only
 (``model.decay_mask``: biases, norms and embeddings are not decayed) and the schedule last:
@@ -52,9 +53,7 @@ def learning_rate(optim, count, total_steps):
     total = jnp.asarray(total_steps, jnp.float32)
     peak, end = optim.learning_rate, optim.learning_rate * optim.end_lr_fraction
     warmup = jnp.minimum(float(optim.warmup_steps), jnp.maximum(total - 1.0, 0.0))
-    # decay_fraction 1 keeps the classic program as it was (start = warm-up's end, exactly)
-    start = warmup if optim.decay_fraction == 1.0 else \
-        total - optim.decay_fraction * (total - warmup)
+    start = decay_start(optim, total, warmup)
     frac = jnp.clip((count - start) / jnp.maximum(total - start, 1.0), 0.0, 1.0)
     if optim.schedule == "cosine":
         decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
@@ -64,6 +63,19 @@ def learning_rate(optim, count, total_steps):
         decayed = peak + (end - peak) * frac
     warming = peak * count / jnp.maximum(warmup, 1.0)
     return jnp.where(count < warmup, warming, decayed)
+
+
+def decay_start(optim, total, warmup=None):
+    """The update count the decay starts at: ``optim.decay_start_step`` when set (a decay
+    branch's ``S``, exactly), else ``decay_fraction`` of the post-warm-up updates before the
+    end. jnp or plain numbers alike."""
+    if optim.decay_start_step is not None:
+        return float(optim.decay_start_step)
+    if warmup is None:
+        warmup = min(float(optim.warmup_steps), max(total - 1.0, 0.0))
+    if optim.decay_fraction == 1.0:  # the classic program as it was: the warm-up's end, exactly
+        return warmup
+    return total - optim.decay_fraction * (total - warmup)
 
 
 def scale_by_schedule(optim, total_steps: int) -> optax.GradientTransformation:

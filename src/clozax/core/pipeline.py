@@ -47,25 +47,37 @@ _jitted_init = jax.jit(model_lib.init, static_argnums=0)
 
 
 def make_masker(masking_config, vocab: Vocabulary, seq_len: int):
-    """``(key, batch) -> (MaskedBatch, Selection)``, jittable, static selected count.
+    """``(key, batch, step=None) -> (MaskedBatch, Selection)``, jittable, static selected count.
 
-    ``masking_config`` has ``rate``, ``unit`` ("token" or "word") and ``policy``. Eligible
-    positions: real tokens (segment > 0) that are not special ids.
+    ``masking_config`` has ``rate``, ``unit`` ("token" or "word") and ``policy``, and maybe a
+    ramp (``rate_end`` over ``ramp_steps``). Eligible positions: real tokens (segment > 0) that
+    are not special ids. With a ramp, a training ``step`` (traced) selects the ramp's count out
+    of the slots of its highest rate (one program for the whole ramp); without a step (the
+    frozen held-out masks) the masker selects at ``heldout_rate``, the rate the ramp ends at.
     """
-    count = masking.selection_count(masking_config.rate, seq_len)
+    ramp = masking_config.rate_end is not None
+    count = masking.selection_count(masking_config.heldout_rate, seq_len)
+    slots = masking.selection_count(max(masking_config.rate, masking_config.heldout_rate),
+                                    seq_len)
     special_table = jnp.asarray(vocab.special_table())
     random_ids = jnp.asarray(masking.allowed_random_ids(vocab.size, vocab.special_ids))
     policy = masking_config.policy
     mask_id = int(vocab.specials["mask"])
 
-    def masker(key, batch):
+    def masker(key, batch, step=None):
         tokens, segments = batch["tokens"], batch["segments"]
         eligible = ~special_table[tokens] & (segments > 0)  # (batch, seq)
         select_key, corrupt_key = jax.random.split(key)
+        n, active = count, None
+        if ramp and step is not None:
+            n = slots
+            active = masking.ramp_count(masking_config.rate, masking_config.rate_end,
+                                        masking_config.ramp_steps, step, seq_len)
         if masking_config.unit == "word":
-            selection = masking.select_words(select_key, eligible, batch["word_starts"], count)
+            selection = masking.select_words(select_key, eligible, batch["word_starts"], n,
+                                             active)
         else:
-            selection = masking.select_fixed(select_key, eligible, count)
+            selection = masking.select_fixed(select_key, eligible, n, active)
         selected = masking.selection_mask(selection, tokens.shape[1])
         masked = masking.corrupt(corrupt_key, tokens, selected, policy, mask_id, random_ids)
         return masked, selection

@@ -63,7 +63,7 @@ def schedule_description(config, meta: dict, masks: EvalMasks) -> dict:
         "rows": int(masks.rows.size),
         "selected": int(masks.valid.sum()),
         "slots_per_row": int(masks.positions.shape[1]),
-        "rate": m.rate,
+        "rate": m.heldout_rate,  # the held-out masks' rate (a ramp's end)
         "unit": m.unit,
         "corruption": {"mask": m.mask, "random": m.random, "keep": m.keep},
         "chunk": meta.get("chunk"),

@@ -41,7 +41,7 @@ def make_loss(model_config):
 
 def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
                         mesh: Mesh | None = None):
-    """``(params, batch, step_key) -> (sum, count, grad_sum)`` over the whole global batch.
+    """``(params, batch, step_key, step) -> (sum, count, grad_sum)`` over the global batch.
 
     The batch is corrupted once with ``step_key``; the microbatches (``train.microbatches``)
     only split the forward/backward work, so they cannot change the masks. Numerators,
@@ -60,8 +60,8 @@ def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
             x = jax.lax.with_sharding_constraint(x, micro_sharding)
         return x
 
-    def loss_and_grads(params, batch: dict, step_key):
-        masked, selection = masker(step_key, batch)
+    def loss_and_grads(params, batch: dict, step_key, step=None):
+        masked, selection = masker(step_key, batch, step)  # step: a masking-rate ramp's place
         targets = jnp.take_along_axis(batch["tokens"], selection.positions, axis=-1)
         micro = (masked.inputs, batch["segments"], selection.positions, targets, selection.valid)
         if k == 1:
@@ -92,7 +92,7 @@ def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimize
 
     def step(state: TrainState, batch: dict, mask_key):
         total, count, grad_sum = loss_and_grads(
-            state.params, batch, jax.random.fold_in(mask_key, state.step)
+            state.params, batch, jax.random.fold_in(mask_key, state.step), state.step
         )
         # One division, after every microbatch and device has contributed. Every row has an
         # eligible token (checked on the host), so count >= batch; the guard only avoids a NaN.

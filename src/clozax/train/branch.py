@@ -1,0 +1,92 @@
+"""Decay branches: ``clozax train --decay-from RUN --step S --steps N --out NEW``.
+
+A warmup-stable-decay run can end at any of its stable checkpoints: NEW starts from RUN's
+checkpoint of step ``S`` (parameters and optimizer state, so the Adam moments carry on) and
+decays over ``N`` more updates, with RUN's decay shape, to its end fraction. NEW's config is
+RUN's with ``train.steps = S + N`` and ``optim.decay_start_step = S``; any budget revision or
+extension of RUN is dropped (NEW's length is fixed). Batches and masks are pure functions of the
+step, so NEW equals a run trained from scratch with NEW's config (tested bitwise).
+
+NEW is written whole or not at all (a staged directory); RUN is only read. The same command
+again resumes NEW (its run.json names the branch point).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from clozax.core import files
+from clozax.core.files import staged_dir
+from clozax.core.optim import decay_start
+from clozax.train import checkpoint as ckpt
+from clozax.train import config as config_lib
+from clozax.train.run_dir import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
+
+COPIED = (TOKENIZER_FILE, "eval_masks.npz", "eval_masks.json")
+
+
+def branch_config(source: config_lib.RunConfig, step: int, steps: int) -> config_lib.RunConfig:
+    """RUN's config continued from its stable step ``step`` into an ``steps``-update decay."""
+    optim, train = source.optim, source.train
+    if step < optim.warmup_steps:
+        raise ValueError(f"--step {step} is inside the warm-up (optim.warmup_steps="
+                         f"{optim.warmup_steps}); branch from a later checkpoint")
+    start = decay_start(optim, config_lib.schedule_length(train, step))
+    if step > start:
+        raise ValueError(f"--step {step} is in the run's own decay (from step {start:g}); "
+                         "a decay branches off a stable checkpoint: pass an earlier --step")
+    train = replace(train, steps=step + steps, minutes=None, budget_revisions=(),
+                    extended_from=())
+    return replace(source, optim=replace(optim, decay_fraction=1.0, decay_start_step=step),
+                   train=train)
+
+
+def decay_branch(source_dir: Path, step: int, steps: int, out: Path) -> config_lib.RunConfig:
+    """Write NEW (``out``) from RUN's checkpoint ``step``; returns the config to train it with."""
+    source_dir, out = Path(source_dir), Path(out)
+    if not (source_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"--decay-from {source_dir} is not a clozax run")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps {steps!r}: a decay branch needs its length, --steps N >= 1")
+    origin = {"run": str(source_dir.absolute()), "step": step}
+    if (out / RUN_FILE).is_file() and \
+            json.loads((out / RUN_FILE).read_text()).get("decayed_from") == origin:
+        saved = config_lib.load_json(out / CONFIG_FILE)  # the same command again: resume it
+        if saved.train.steps != step + steps:
+            raise ValueError(f"{out} is the branch of {source_dir} step {step} decaying over "
+                             f"{saved.train.steps - step} updates, not {steps}; use a new --out")
+        return saved
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {out} exists; a decay branch needs a new --out")
+    checkpointer = ckpt.Checkpointer(source_dir, read_only=True)
+    try:
+        available = checkpointer.all_steps()
+    finally:
+        checkpointer.close()
+    if step not in available:
+        raise ValueError(f"run {source_dir} has no checkpoint of step {step}; it has "
+                         f"{', '.join(map(str, available)) or 'none'}")
+    config = branch_config(config_lib.load_json(source_dir / CONFIG_FILE), step, steps)
+    info = json.loads((source_dir / RUN_FILE).read_text())
+    info["decayed_from"] = origin
+    with staged_dir(out) as tmp:
+        files.write_json(tmp / CONFIG_FILE, config.to_dict(), sort_keys=True)
+        files.write_json(tmp / RUN_FILE, info, sort_keys=True)
+        for name in COPIED:
+            if (source_dir / name).is_file():
+                shutil.copyfile(source_dir / name, tmp / name)
+        shutil.copytree(source_dir / ckpt.CHECKPOINT_DIR / str(step),
+                        tmp / ckpt.CHECKPOINT_DIR / str(step))
+        digest = source_dir / ckpt.DIGEST_DIR / f"{step}.json"
+        if digest.is_file():
+            (tmp / ckpt.DIGEST_DIR).mkdir()
+            shutil.copyfile(digest, tmp / ckpt.DIGEST_DIR / digest.name)
+        metrics = source_dir / "metrics.jsonl"
+        if metrics.is_file():  # RUN's history up to the branch point
+            lines = [line for line in metrics.read_text().splitlines()
+                     if line.strip() and json.loads(line).get("step", 0) <= step]
+            (tmp / "metrics.jsonl").write_text("".join(f"{line}\n" for line in lines))
+    return config
