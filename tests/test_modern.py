@@ -139,6 +139,31 @@ def test_geglu_and_no_bias_parameter_shapes():
     assert bert["layers"]["intermediate"]["bias"].shape == (2, 64)
 
 
+def test_the_modernbert_init_follows_its_rule_kind_by_kind():
+    import math
+
+    config = model_config.preset("modern-small", vocab_size=4096, init="modernbert")
+    p = model.init(config, jax.random.key(0))
+    std_in, std_out = 0.02, 0.02 / math.sqrt(2 * config.layers)  # layers 6: 0.00577
+    # std of N(0, 1) truncated at +-2: sqrt(1 - 2 a phi(a) / (2 Phi(a) - 1)), a = 2
+    a = 2.0
+    phi, mass = math.exp(-a * a / 2) / math.sqrt(2 * math.pi), math.erf(a / math.sqrt(2))
+    shrink = math.sqrt(1 - 2 * a * phi / mass)  # 0.8796
+    layers = p["layers"]
+    for tensor, std in ((p["embeddings"]["word"], std_in),
+                        (layers["attention"]["query"]["kernel"], std_in),
+                        (layers["intermediate"]["kernel"], std_in),
+                        (layers["attention"]["output"]["kernel"], std_out),
+                        (layers["output"]["kernel"], std_out),
+                        (p["head"]["transform"]["kernel"], std_out)):
+        x = np.asarray(tensor)
+        assert np.abs(x).max() <= 2 * std * (1 + 1e-6)  # truncated at +-2 std
+        assert np.std(x) == pytest.approx(std * shrink, rel=0.03)
+        assert abs(np.mean(x)) < 0.05 * std
+    plain = model.init(model_config.preset("modern-small", vocab_size=4096), jax.random.key(0))
+    assert np.asarray(plain["layers"]["output"]["kernel"]).std() == pytest.approx(0.02, rel=0.03)
+
+
 def test_modern_base_preset_has_the_modernbert_base_shape():
     c = model_config.preset("modern-base")
     assert (c.hidden, c.layers, c.heads, c.intermediate) == (768, 22, 12, 1152)
@@ -187,6 +212,8 @@ def test_sparse_last_block_equals_the_full_forward_for_the_modern_model(params, 
     ({"local_window": 15}, "model.local_window=15 is odd"),
     ({"global_every": 0}, "model.global_every=0 is not a positive integer"),
     ({"rope_theta_local": -1.0}, "model.rope_theta_local=-1.0"),
+    ({"init": "xavier"}, "model.init='xavier' is not one of ('normal', 'modernbert')"),
+    ({"init_cutoff": 0.0}, "model.init_cutoff=0.0 is not a finite positive number"),
     ({"layer_norm": "post"}, "model.first_attention_norm=false applies only to pre-LN blocks"),
     ({"hidden": 36, "heads": 4}, "model.positions='rope' needs an even head dim"),
     ({"attention": "cudnn", "compute_dtype": "bfloat16", "attention_within_segments": False},

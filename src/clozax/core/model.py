@@ -57,7 +57,8 @@ CUDNN_QUERY_MULTIPLE = 8
 
 
 def init(config: ModelConfig, key: jax.Array) -> Params:
-    """Fresh float32 parameters: N(0, init_std) kernels and embeddings, zero biases, unit scales.
+    """Fresh float32 parameters: N(0, init_std) kernels and embeddings (or ModernBERT's
+    truncated, depth-scaled rule: ``model.init``), zero biases, unit scales.
 
     Deterministic in ``key``; every tensor draws from its own named key.
     """
@@ -66,7 +67,16 @@ def init(config: ModelConfig, key: jax.Array) -> Params:
     names = ("word", "position", "query", "key", "value", "attn_out", "inter", "out", "head")
     keys = dict(zip(names, jax.random.split(key, len(names)), strict=True))
 
+    # ModernBERT's rule (model_config.init): output projections scaled down by depth
+    out_std = c.init_std / math.sqrt(2.0 * L)
+    std = {name: out_std if c.init == "modernbert" and name in ("attn_out", "out", "head")
+           else c.init_std for name in names}
+
     def normal(name, shape):
+        if c.init == "modernbert":  # N(0, std) truncated at +-init_cutoff std, as torch's
+            cut = c.init_cutoff
+            return std[name] * jax.random.truncated_normal(keys[name], -cut, cut, shape,
+                                                           jnp.float32)
         return c.init_std * jax.random.normal(keys[name], shape, jnp.float32)
 
     def dense(name, fan_in, fan_out, stacked):

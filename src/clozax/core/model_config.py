@@ -15,6 +15,7 @@ from clozax.core.layers import MLPS
 
 LAYER_NORMS = ("pre", "post")
 POSITIONS = ("learned", "rope")
+INITS = ("normal", "modernbert")
 REMAT_POLICIES = ("none", "block", "dots")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -43,6 +44,12 @@ class ModelConfig:
     remat: str = "none"
     layer_norm_eps: float = 1e-12
     init_std: float = 0.02
+    # "normal": every kernel and embedding N(0, init_std). "modernbert": ModernBERT's rule (HF
+    # ModernBertPreTrainedModel._init_weights): normals truncated at +-init_cutoff std, std
+    # init_std for embeddings and input projections (QKV, the MLP's input), init_std / sqrt(2 x
+    # layers) for output projections (attention and MLP outputs, the head's dense).
+    init: str = "normal"
+    init_cutoff: float = 2.0  # ModernBertConfig.initializer_cutoff_factor
     # Architecture options (ModernBERT's choices in the ``modern-*`` presets); the defaults are
     # BERT's, and keep the model what it was before these options existed.
     positions: str = "learned"  # "learned" absolute rows, or "rope" (``clozax.core.positions``)
@@ -106,7 +113,10 @@ class ModelConfig:
                 "bool; use true or false"
             )
         self._check_architecture()
-        for name in ("layer_norm_eps", "init_std", "rope_theta_global", "rope_theta_local"):
+        if self.init not in INITS:
+            raise ValueError(f"model.init={self.init!r} is not one of {INITS}")
+        for name in ("layer_norm_eps", "init_std", "init_cutoff", "rope_theta_global",
+                     "rope_theta_local"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)

@@ -134,6 +134,7 @@ class ModernBertFamily:
             "classifier_activation": "gelu",
             "norm_eps": c.layer_norm_eps,
             "initializer_range": c.init_std,
+            "initializer_cutoff_factor": c.init_cutoff,
             "attention_bias": c.bias, "mlp_bias": c.bias, "norm_bias": c.bias,
             "classifier_bias": c.bias, "decoder_bias": True,
             "layer_types": layer_types,
@@ -284,6 +285,7 @@ class ModernBertFamily:
                 "rope_theta", cfg.get("local_rope_theta", 10_000.0))),
             "layer_norm_eps": float(cfg.get("norm_eps", 1e-5)),
             "init_std": float(cfg.get("initializer_range", 0.02)),
+            "init_cutoff": float(cfg.get("initializer_cutoff_factor", 2.0)),
             # HF has no per-document attention; a packed row keeps its documents apart here.
             "attention_within_segments": True,
         }
