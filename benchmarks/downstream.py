@@ -93,6 +93,26 @@ def wordnet_task(path: Path, per_class: int, seed: int = 0) -> Path:
     return path
 
 
+def builtin_files(donor: Path, out: Path) -> dict:
+    """The built-in task of ``donor`` (its dataset's labels, split as the probe splits them)
+    written as three JSONL files, so an encoder without that dataset (the imported MiniLM) is
+    fine-tuned on the same examples and the same splits."""
+    from clozax.data.tokenizer import load_tokenizer
+    from clozax.judge import finetune as ft
+    from clozax.train.run_dir import load_run
+
+    run = load_run(donor)
+    task = ft.load_task(ft.TaskSpec(name="labels"), run, load_tokenizer(run.tokenizer_path))
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, part in task.splits.items():
+        paths[split] = out / f"builtin-{split}.jsonl"
+        with paths[split].open("w") as f:
+            for text, y in zip(part.text, part.y, strict=True):
+                f.write(json.dumps({"text": text, "label": task.labels[y]}) + "\n")
+    return paths
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from clozax.interop import import_hf
@@ -130,9 +150,13 @@ def main() -> None:
             spec = ft.TaskSpec(train=wordnet_task(args.out / "wordnet.jsonl", args.per_class),
                                fields=ft.tasks.Fields(group="group"), name="wordnet")
         for run in runs:
-            if task == "builtin":
-                if run.name == "minilm-run":
-                    continue  # no dataset labels of its own; the built-in task needs one
+            if task == "builtin" and run.name == "minilm-run":
+                if run is runs[0]:
+                    continue  # no dataset labels of its own: a pretrained run lends its task
+                files = builtin_files(runs[0], args.out / "tmp")
+                spec = ft.TaskSpec(train=files["train"], validation=files["validation"],
+                                   test=files["test"], name="labels")
+            elif task == "builtin":
                 spec = ft.TaskSpec(name="labels")
             started = time.perf_counter()
             result = ft.finetune_run(run, spec, protocol, progress=False)
