@@ -4,8 +4,7 @@ Errors: bad arguments and any ``ValueError`` from the library print one line
 (``error: ...``) and exit 2; ``--debug`` (anywhere on the line) shows the traceback instead; a
 training stopped by a signal exits ``128 + signal`` after its checkpoint.
 
-Longer than 400 lines because every command's options and their help texts are declared here,
-in one place, as typer reads them; the functions hold no logic beyond parsing.
+``train`` and ``finetune`` have their options in ``cli_train.py`` and ``cli_finetune.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ import typer
 from typer.exceptions import TyperException
 
 from clozax.cli_finetune import finetune
-from clozax.train import compile_cache, distributed, hostmem
+from clozax.cli_train import train
+from clozax.train import compile_cache, distributed
 from clozax.train.interrupts import EXIT_CODES, Interrupted
 
 app = typer.Typer(
@@ -116,95 +116,7 @@ def prepare(
     prepare_dataset(options.pop("out"), **options)
 
 
-@app.command()
-def train(
-    data: Annotated[Path, typer.Option(help="Prepared dataset directory (clozax prepare).")],
-    out: Annotated[Path, typer.Option(help="Run directory (checkpoints, metrics, eval masks).")],
-    steps: Annotated[int | None, typer.Option(help="Number of updates (train.steps).")] = None,
-    minutes: Annotated[
-        float | None,
-        typer.Option(help="Time budget: fixes train.steps once from measured throughput."),
-    ] = None,
-    preset: Annotated[
-        str | None, typer.Option(help="Model preset: tiny, small (default), base; modern-tiny, "
-                                 "modern-small, modern-base (ModernBERT's architecture).")
-    ] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override, e.g. --set model.layers=2 (repeatable)."),
-    ] = None,
-    save_every: Annotated[int | None, typer.Option(help="Checkpoint every N steps.")] = None,
-    eval_every: Annotated[int | None, typer.Option(help="Held-out eval every N steps.")] = None,
-    resume: Annotated[
-        bool, typer.Option(help="Continue from the latest checkpoint in --out (also implied "
-                           "when --out is an existing run).")
-    ] = False,
-    init_from: Annotated[
-        Path | None,
-        typer.Option(help="Start from another run's parameters (continued pretraining)."),
-    ] = None,
-    extend_to: Annotated[
-        int | None,
-        typer.Option(help="Continue a finished run in --out to this many steps, with its "
-                     "schedule re-created for the new length (AdamW state kept; recorded)."),
-    ] = None,
-    decay_from: Annotated[Path | None, typer.Option(
-        help="Decay branch: a new --out from this run's stable checkpoint --step, decaying "
-             "over --steps updates (optimizer state kept).")] = None,
-    step: Annotated[int | None, typer.Option(help="With --decay-from: the checkpoint.")] = None,
-    coordinator: Annotated[str | None, typer.Option(
-        help="Multi-process job: process 0's HOST:PORT (also CLOZAX_COORDINATOR).")] = None,
-    num_processes: Annotated[int | None, typer.Option(
-        help="Multi-process job: processes (also CLOZAX_NUM_PROCESSES).")] = None,
-    process_id: Annotated[int | None, typer.Option(
-        help="Multi-process job: this process, 0..N-1 (also CLOZAX_PROCESS_ID).")] = None,
-    distributed_: Annotated[str | None, typer.Option("--distributed", help=(
-        "'auto': join the job its launcher describes (SLURM, MPI, TPU slice, k8s)."))] = None,
-):
-    """Pretrain an encoder with masked language modelling on a prepared dataset."""
-    hostmem.keep_freed_memory()  # before JAX starts: see clozax.train.hostmem
-    if distributed_ not in (None, "auto"):
-        raise ValueError(f"--distributed {distributed_!r} is unknown; use --distributed auto or "
-                         "give --coordinator/--num-processes/--process-id")
-    distributed.initialize(coordinator, num_processes, process_id, auto=distributed_ == "auto")
-    compile_cache.enable()
-    from clozax.train import config as config_lib
-    from clozax.train import loop as train_lib
-    from clozax.train.run_dir import CONFIG_FILE, read_config
-
-    if decay_from is not None or step is not None:
-        from clozax.train.branch import decay_branch
-
-        if None in (decay_from, step, steps) or set_ or minutes or config or preset:
-            raise ValueError("a decay branch is --decay-from RUN --step S --steps N --out NEW "
-                             "(no --set, --config, --preset or --minutes: it keeps RUN's)")
-        resolved = decay_branch(decay_from, step, steps, out)
-        print(f"branched {out} from {decay_from} step {step}: decaying over {steps} updates")
-        steps = None
-    overrides = list(set_ or [])
-    for name, value in (("steps", steps), ("minutes", minutes), ("save_every", save_every),
-                        ("eval_every", eval_every)):
-        if value is not None:
-            overrides.append(f"train.{name}={value}")
-    existing = (out / CONFIG_FILE).is_file()
-    if resume and not existing:
-        raise ValueError(f"--resume given but {out} is not a clozax run; drop --resume to start")
-    if extend_to is not None and minutes is not None:
-        raise ValueError("--extend-to and --minutes cannot be combined; give one of them")
-    # A run's model section comes from its saved config on every re-run.
-    run_model = read_config(out)[0].model if existing else None
-    if decay_from is None:
-        resolved = config_lib.resolve(config, preset, overrides, run_model=run_model)
-    result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from,
-                             extend_to=extend_to)
-    summary = f"trained {result.steps} steps into {out}"
-    if result.final_loss == result.final_loss:  # not NaN: this invocation trained
-        summary += f"; final train loss {result.final_loss:.4f}"
-    if result.eval:
-        summary += (f"; held-out loss {result.eval['loss']:.4f}, "
-                    f"accuracy {result.eval['accuracy']:.4f}")
-    print(summary)
+app.command()(train)
 
 
 @app.command()

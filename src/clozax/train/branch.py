@@ -25,7 +25,8 @@ from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train.run_dir import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
 
-COPIED = (TOKENIZER_FILE, "eval_masks.npz", "eval_masks.json")
+# RUN's metrics too: training NEW from S drops their lines after S (TrainLog.forget_after).
+COPIED = (TOKENIZER_FILE, "eval_masks.npz", "eval_masks.json", "metrics.jsonl")
 
 
 def branch_config(source: config_lib.RunConfig, step: int, steps: int) -> config_lib.RunConfig:
@@ -84,9 +85,4 @@ def decay_branch(source_dir: Path, step: int, steps: int, out: Path) -> config_l
         if digest.is_file():
             (tmp / ckpt.DIGEST_DIR).mkdir()
             shutil.copyfile(digest, tmp / ckpt.DIGEST_DIR / digest.name)
-        metrics = source_dir / "metrics.jsonl"
-        if metrics.is_file():  # RUN's history up to the branch point
-            lines = [line for line in metrics.read_text().splitlines()
-                     if line.strip() and json.loads(line).get("step", 0) <= step]
-            (tmp / "metrics.jsonl").write_text("".join(f"{line}\n" for line in lines))
     return config
