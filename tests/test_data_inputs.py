@@ -15,7 +15,7 @@ import zstandard
 from clozax.data import prepare
 from clozax.data.corpus import MAX_RUN_CHARS, Accounting, clean, normalise
 from clozax.data.pieces import Piece, plan, read_corpus, read_piece
-from clozax.data.readers import FieldNames, Layout, RawDocument, Skip
+from clozax.data.readers import FieldNames, Layout, RawDocument, Skip, content_group
 from clozax.data.sources import MAX_DOCUMENT_CHARS, SEPARATORS, units
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
@@ -91,7 +91,8 @@ def test_text_units_split_a_file_into_paragraphs_or_lines_with_their_groups(tmp_
     assert [t.strip() for t in lines] == ["first para", "still first", "second", "third line"]
     assert [r.source for r in records] == ["book.txt:1", "book.txt:2", "book.txt:6",
                                            "book.txt:7"]
-    assert {r.group for r in records} == {r.source for r in records}
+    assert [r.group for r in records] == [content_group(r.text) for r in records]  # not lines
+    assert len({r.group for r in records}) == 4
     records, _ = _texts(tmp_path, Layout("line", group_by="file"))
     assert {r.group for r in records} == {"book.txt"}
 
@@ -147,6 +148,29 @@ def test_a_large_file_read_in_pieces_gives_the_records_of_reading_it_whole(tmp_p
         (tmp_path / "many" / f"{i}.txt").write_text("x" * 99)
     assert plan(str(tmp_path / "many"), Layout(), 350)["pieces"] == [
         [0, 3, 0, None, 1], [3, 6, 0, None, 1], [6, 9, 0, None, 1], [9, 10, 0, None, 1]]
+
+
+def test_paragraphs_in_any_script_are_cut_points_and_pieces_read_like_the_whole_file(tmp_path):
+    """Cyrillic, CJK, accented and quote-led paragraphs end pieces; a line of no-break or
+    ideographic spaces after a blank line is still separator, never a cut."""
+    rng = random.Random(5)
+    scripts = ["Война и мир — роман Льва Толстого", "长篇小说描写了俄国社会", "Élise était là",
+               "“Quoted,” she said", "«Ёлка» и ещё"]
+    seps = ["\n\n", "\n\n\n", "\n \n\n", "\n\n\u00a0\n\n", "\n\n\u3000 \n\n", "\r\n\r\n"]
+    text = "".join(" ".join(rng.choice(scripts) for _ in range(rng.randint(1, 6))) +
+                   rng.choice(seps) for _ in range(400))
+    (tmp_path / "book.txt").write_text(text, newline="")
+    layout = Layout("paragraph")
+    whole, texts = _texts(tmp_path / "book.txt", layout)
+    assert len(texts) == 400
+    the_plan = plan(str(tmp_path / "book.txt"), layout, 2000)
+    pieces = [Piece.from_json(p) for p in the_plan["pieces"]]
+    assert len(pieces) > 10
+    starts = [text.encode()[p.span.start : p.span.start + 12].decode("utf-8", "ignore")[:1]
+              for p in pieces[1:]]
+    assert {s for s in starts} <= {t[0] for t in scripts} and len(set(starts)) > 2
+    read = [r for p in pieces for r in read_piece(the_plan, p, FieldNames(), layout, False)]
+    assert read == whole
 
 
 @pytest.mark.slow

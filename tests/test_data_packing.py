@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models
 from clozax.data import open_dataset, prepare
 from clozax.data.packing import BestFitPacker, Piece, chunk_document, word_start_flags
 from clozax.data.split import HELDOUT, TRAIN, assign_split, group_key
-from clozax.data.tokenizer import load_tokenizer
+from clozax.data.tokenizer import find_specials, load_tokenizer, parse_special_tokens
 
 FILLER = "the of and to in is it that for on with as by this be from or at".split()
 
@@ -146,8 +146,17 @@ def test_given_tokenizer_without_specials_is_refused_by_name(tmp_path):
     path = tmp_path / "tokenizer.json"
     Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "hello": 2},
                                unk_token="[UNK]")).save(str(path))
-    with pytest.raises(ValueError, match=r"lacks special token\(s\) \[CLS\], \[SEP\], \[MASK\]"):
-        load_tokenizer(path)
+    tok = load_tokenizer(path)
+    with pytest.raises(ValueError, match=r"lacks special token\(s\) \(bert: \[CLS\] \[SEP\] "
+                                         r"\[MASK\]; roberta: <pad> <unk> <s> </s> <mask>\); "
+                                         r"name its own with --special-tokens"):
+        find_specials(tok)
+    with pytest.raises(ValueError, match="maps two special tokens to one id"):
+        find_specials(tok, {"cls": "hello", "sep": "hello", "mask": "[PAD]"})
+    for bad in ("mask", "mask=", "kind=<x>", "mask=<a>,mask=<b>"):
+        with pytest.raises(ValueError, match="is not NAME=STRING"):
+            parse_special_tokens(bad)
+    assert parse_special_tokens("mask=<blank>, cls=<s>") == {"mask": "<blank>", "cls": "<s>"}
 
 
 def test_given_tokenizer_is_used_unchanged_with_its_own_special_ids(tmp_path):

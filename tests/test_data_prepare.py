@@ -294,3 +294,28 @@ def test_rows_longer_than_512_are_packed_for_models_configured_for_them(tmp_path
     assert ds.train.tokens.shape == (manifest["splits"]["train"]["rows"], 1024)
     assert max(int(np.count_nonzero(ds.train.segments[r] == 1)) for r in range(ds.train.rows)) \
         > 512  # one document's piece longer than the old cap
+
+
+def test_reordering_or_prepending_jsonl_rows_moves_no_document_across_the_split(tmp_path):
+    """A row's default group is its content, not its line number; with every document its
+    own group, the groups counted without a set equal the documents."""
+    rng = random.Random(4)
+    rows = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))})
+            for _ in range(150)]
+    moved = rows[::-1]
+    rng.shuffle(moved)
+    moved.insert(0, json.dumps({"text": "a new first row"}))
+    sides, manifests = [], []
+    for name, lines in (("a", rows), ("b", moved)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        manifests.append(prepare(tmp_path / name, corpus=str(tmp_path / f"{name}.jsonl"),
+                                 vocab_size=64, seq_len=32, heldout_fraction=0.25, quiet=True))
+        ds = open_dataset(tmp_path / name)
+        sides.append({d["id"]: split for split in ("train", "heldout")
+                      for d in ds.documents(split)})
+    assert len(sides[1]) == len(sides[0]) + 1 and all(sides[1][i] == s
+                                                      for i, s in sides[0].items())
+    for manifest in manifests:
+        splits = manifest["splits"]
+        assert splits["heldout"]["documents"] > 10
+        assert all(s["groups"] == s["documents"] for s in splits.values())

@@ -13,8 +13,8 @@ import pytest
 
 from clozax.data import open_dataset, prepare
 from clozax.data.dataset import Split, verify_files
+from clozax.data.executors import FAIL_TASK_ENV, Local, Task, WorkerFailed
 from clozax.data.loader import host_batch
-from clozax.data.pool import FAIL_TASK_ENV, WorkerFailed
 from clozax.data.shards import ARRAYS, RowArray
 from clozax.data.spool import Sample
 
@@ -56,14 +56,19 @@ def test_row_array_indexes_like_the_concatenated_shards():
 
 
 @pytest.mark.slow
-def test_one_and_two_workers_write_byte_identical_shards_with_one_accounting(tmp_path):
+def test_one_two_workers_and_a_dask_cluster_write_byte_identical_shards_with_one_accounting(
+        tmp_path):
     corpus = _corpus(tmp_path)
     one = prepare(tmp_path / "w1", corpus=str(corpus), workers=1, quiet=True,
                   tokenizer_sample=150, **OPTIONS)
     two = prepare(tmp_path / "w2", corpus=str(corpus), workers=2, quiet=True,
                   tokenizer_sample=150, **OPTIONS)
+    # A local Dask cluster of two worker processes (as `dask worker`s on other hosts would).
+    prepare(tmp_path / "dask", corpus=str(corpus), workers=2, executor="dask", quiet=True,
+            tokenizer_sample=150, **OPTIONS)
     assert len(one["shards"]["train"]) >= 6 and len(one["shards"]["heldout"]) >= 2
     assert _files(tmp_path / "w1") == _files(tmp_path / "w2")  # manifest included
+    assert _files(tmp_path / "dask") == _files(tmp_path / "w1")
     assert two["tokenizer"]["sample"] == 150 < two["splits"]["train"]["documents"]
     d = two["documents"]
     assert d["read"] == d["kept"] + d["duplicates"] + d["skipped"] == 251
@@ -104,7 +109,7 @@ def test_a_failed_worker_is_one_line_and_the_rerun_keeps_its_finished_shards(tmp
     out = tmp_path / "out"
     os.environ[FAIL_TASK_ENV] = "pack:4"  # read by the worker processes
     try:
-        with pytest.raises(WorkerFailed, match=r"a prepare worker failed \(exit 3.*resume"):
+        with pytest.raises(WorkerFailed, match=r"a prepare worker process died.*resume"):
             prepare(out, corpus=str(corpus), workers=2, quiet=True, **OPTIONS)
     finally:
         del os.environ[FAIL_TASK_ENV]
@@ -112,6 +117,23 @@ def test_a_failed_worker_is_one_line_and_the_rerun_keeps_its_finished_shards(tmp
     prepare(out, corpus=str(corpus), workers=2, quiet=True, **OPTIONS)
     assert _files(out) == _files(whole)
     assert not list(tmp_path.glob(".out.*"))
+
+
+def test_the_costliest_task_starts_first_and_no_worker_idles_while_tasks_remain(tmp_path):
+    """Uneven costs, the costliest given last: one worker holds it while the other takes every
+    short task as it frees (dealing two per worker in task order would put it last)."""
+    log = tmp_path / "log.jsonl"
+    tasks = [Task("executor_tasks:busy", {"seconds": 0.5, "log": str(log), "name": f"short{i}"},
+                  cost=1) for i in range(4)]
+    tasks.append(Task("executor_tasks:busy", {"seconds": 2.5, "log": str(log), "name": "long"},
+                      cost=5))
+    finished = []
+    Local(2).run(tasks, done=finished.append)
+    runs = {r["name"]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert sorted(finished) == list(range(5)) and finished[-1] == 4
+    assert {runs[f"short{i}"]["pid"] for i in range(4)} == {runs["short0"]["pid"]} != \
+        {runs["long"]["pid"]}  # every short task on the worker the long one did not hold
+    assert runs["long"]["start"] <= min(runs[f"short{i}"]["start"] for i in range(4)) + 0.25
 
 
 def test_tokenizer_sample_is_exactly_n_documents_chosen_by_a_keyed_hash():

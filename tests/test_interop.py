@@ -306,6 +306,53 @@ def test_continued_pretraining_starts_from_the_imported_weights(corpus, hf_dirs,
     assert first["loss"] == pytest.approx(theirs, abs=TOL)
 
 
+ROBERTA = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
+
+
+def test_a_roberta_style_tokenizer_imports_prepares_and_fills_with_its_own_mask(corpus,
+                                                                              tmp_path):
+    """import -> prepare --tokenizer -> fill with <s> </s> <pad> <unk> <mask>; a tokenizer
+    whose mask is neither BERT's nor RoBERTa's is named with --special-tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from clozax.data import open_dataset, prepare
+    from clozax.judge.fill import fill
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"]))
+    hf = tmp_path / "hf"
+    _hf_model("pre", tok.get_vocab_size(), pad=1).save_pretrained(hf, safe_serialization=True)
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "special_tokens_map.json").write_text(json.dumps(
+        {f"{name}_token": string for name, string in ROBERTA.items()}))
+    run = interop.import_hf(hf, tmp_path / "run")
+    ids = {"pad": 1, "unk": 3, "cls": 0, "sep": 2, "mask": 4}
+    assert load_run(run).specials == ids
+
+    manifest = prepare(tmp_path / "data", corpus=str(corpus), tokenizer=run / "tokenizer.json",
+                       seq_len=SEQ_LEN, heldout_fraction=0.25, quiet=True)
+    assert manifest["tokenizer"]["specials"] == ids
+    assert manifest["tokenizer"]["special_strings"] == ROBERTA
+    rows = np.asarray(open_dataset(tmp_path / "data").train.tokens)
+    assert rows[0, 0] == ids["cls"] and ids["sep"] in rows[0]  # <s> … </s> around documents
+    [filled] = fill(run, "alpha beta <mask> delta river", top_k=3)
+    assert filled["position"] == 3 and len(filled["predictions"]) == 3
+    with pytest.raises(ValueError, match=r"text has no <mask> \(this run's mask token\)"):
+        fill(run, "alpha beta [MASK] delta")
+
+    renamed = tmp_path / "renamed.json"
+    renamed.write_text((run / "tokenizer.json").read_text().replace("<mask>", "<blank>"))
+    with pytest.raises(ValueError, match=r"lacks special token\(s\).*--special-tokens"):
+        prepare(tmp_path / "no", corpus=str(corpus), tokenizer=renamed, quiet=True)
+    named = prepare(tmp_path / "named", corpus=str(corpus), tokenizer=renamed, seq_len=SEQ_LEN,
+                    heldout_fraction=0.25, special_tokens="mask=<blank>", quiet=True)
+    assert named["tokenizer"]["specials"] == ids
+    assert named["tokenizer"]["special_strings"] == {**ROBERTA, "mask": "<blank>"}
+
+
 def _mean_nll(logits, targets, valid):
     logits = logits.astype(np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)

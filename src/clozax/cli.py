@@ -83,8 +83,13 @@ def prepare(
         "trainer differs run to run, huggingface/tokenizers #1794).")] = "bpe",
     tokenizer: Annotated[
         Path | None,
-        typer.Option(help="Use this tokenizer.json unchanged instead of training one; it "
-                     "must contain [PAD] [UNK] [CLS] [SEP] [MASK]."),
+        typer.Option(help="Use this tokenizer.json unchanged instead of training one: its "
+                     "specials BERT's [PAD] [UNK] [CLS] [SEP] [MASK], RoBERTa's <pad> <unk> <s> "
+                     "</s> <mask>, or named with --special-tokens."),
+    ] = None,
+    special_tokens: Annotated[str | None, typer.Option(
+        help="With --tokenizer: its special strings where they differ from BERT's and "
+             "RoBERTa's, e.g. 'mask=<blank>,cls=<bos>' (names: pad unk cls sep mask).")
     ] = None,
     vocab_size: Annotated[int, typer.Option(help="Vocabulary size of a trained tokenizer.")] = 8192,
     tokenizer_sample: Annotated[int | None, typer.Option(
@@ -103,7 +108,17 @@ def prepare(
     shard_bytes: Annotated[int, typer.Option(
         help="Input bytes per piece (one worker's task, one data shard).")] = 1 << 22,
     workers: Annotated[int | None, typer.Option(
-        help="Cores to use (default: all); the output is the same for any number.")] = None,
+        help="Cores to use (default: all; at most the cores and the pieces), or with --executor "
+             "dask the local cluster's processes; the output is the same for any number.")
+    ] = None,
+    executor: Annotated[str, typer.Option(
+        help="Where pieces are read and packed: 'local' (processes here) or 'dask' (a Dask "
+             "cluster; pip install 'clozax[cluster]'); the output is the same bytes.")
+    ] = "local",
+    scheduler: Annotated[str | None, typer.Option(
+        help="With --executor dask: the scheduler's address (tcp://host:8786), whose workers "
+             "mount --out at the same path; default: a local cluster of --workers processes.")
+    ] = None,
     discard_partial: Annotated[bool, typer.Option(
         help="Delete an unfinished prepare of --out with other settings (kept otherwise).")
     ] = False,
@@ -251,11 +266,13 @@ app.command()(finetune)
 @app.command()
 def fill(
     run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
-    text: Annotated[str, typer.Argument(help='Text with one or more [MASK], e.g. "a [MASK] b".')],
-    top_k: Annotated[int, typer.Option(help="Predictions per [MASK].")] = 5,
+    text: Annotated[str, typer.Argument(
+        help='Text with one or more of the run\'s mask token, e.g. "a [MASK] b" (or "a <mask> '
+             'b" for a RoBERTa-style tokenizer).')],
+    top_k: Annotated[int, typer.Option(help="Predictions per mask.")] = 5,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ):
-    """Top-k predictions with probabilities at each [MASK] in a text."""
+    """Top-k predictions with probabilities at each [MASK] (the run's mask token) in a text."""
     compile_cache.enable()
     import json
 

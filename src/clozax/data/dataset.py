@@ -182,6 +182,14 @@ class Dataset:
         return {name: int(self.manifest["tokenizer"]["specials"][name]) for name in SPECIAL_NAMES}
 
     @property
+    def special_strings(self) -> dict[str, str]:
+        """Each special's string (recorded since the specials of any style; else read)."""
+        from clozax.data.tokenizer import load_tokenizer, special_strings
+
+        return self.manifest["tokenizer"].get("special_strings") or special_strings(
+            load_tokenizer(self.tokenizer_path), self.specials)
+
+    @property
     def tokenizer_path(self) -> Path:
         return self.path / self.manifest["tokenizer"]["file"]
 

@@ -21,7 +21,6 @@ from clozax.data.dataset import SplitWriter, token_dtype
 from clozax.data.packing import BestFitPacker, chunk_document
 from clozax.data.shards import shard_name
 from clozax.data.spool import kept_records
-from clozax.data.tokenizer import find_specials
 
 ENCODE_BATCH = 1024  # documents per encode_batch call; speed only
 ENCODE_BATCH_CHARS = 1 << 18  # and at most this many characters; memory only
@@ -50,18 +49,18 @@ def _tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_file(path)
 
 
-def pack_task(tmp: str, split: str, k: int, piece: int, seq_len: int) -> None:
+def pack_task(tmp: str, split: str, k: int, piece: int, seq_len: int,
+              specials: dict[str, int]) -> None:
     pack_shard(Path(tmp), split, k, kept_records(Path(tmp), split, [piece]), seq_len,
-               _tokenizer(str(Path(tmp) / "tokenizer.json")))
+               _tokenizer(str(Path(tmp) / "tokenizer.json")), specials)
 
 
 def pack_shard(tmp: Path, split: str, k: int, records: Iterator[dict], seq_len: int,
-               tok: Tokenizer) -> dict:
+               tok: Tokenizer, specials: dict[str, int]) -> dict:
     """Encode, chunk and pack ``records`` into data shard ``k`` of ``split``; returns (and
     writes to ``result_path``) its counts. A document with no token that could ever be
     selected (empty after tokenization, or only specials such as a literal ``[MASK]``) is
     listed in ``skips`` with its reason, so no row can lack an eligible position."""
-    specials = find_specials(tok)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     writer = SplitWriter(tmp, split, shard_name(k), seq_len, vocab_size,
                          token_dtype(vocab_size))

@@ -41,9 +41,12 @@ from clozax.data.stdlib import read_stdlib, stdlib_root_checked
 MAX_PIECES = 4096
 _BLOCK = 1 << 20
 _OVERLAP = 1 << 12  # bytes kept between blocks so a cut pattern can span two of them
-# Where a piece may end: just after a line end, or after a blank line followed by visible
-# ASCII (so the whole file's paragraph separator ends exactly there too).
-_CUTS = {"line": re.compile(rb"\n"), "paragraph": re.compile(rb"\n[ \t\r\x0b\x0c]*\n(?=[!-~])")}
+# Where a piece may end: just after a line end, or after a run of blank lines whose next line
+# holds a character that is not whitespace (``_ends_paragraphs``), in any script: so the whole
+# file's paragraph separator (``sources.SEPARATORS``) ends exactly there too.
+_BLANK = rb"[ \t\r\x0b\x0c]*\n"
+_CUTS = {"line": re.compile(rb"\n"),
+         "paragraph": re.compile(rb"\n" + _BLANK + rb"(?:" + _BLANK + rb")*")}
 
 
 @dataclass(frozen=True)
@@ -129,11 +132,11 @@ def _spans(path: Path, size: int, piece_bytes: int, rule: re.Pattern) -> list[Sp
         while block := f.read(_BLOCK):
             data += block
             while base + len(data) > goal:
-                match = rule.search(data, max(goal - base, 0))
-                if match is None or base + match.end() >= size:
+                end = _find_cut(rule, data, max(goal - base, 0))
+                if end is None or base + end >= size:
                     break
-                line += data.count(b"\n", 0, match.end())
-                data, base = data[match.end():], base + match.end()
+                line += data.count(b"\n", 0, end)
+                data, base = data[end:], base + end
                 cuts.append((base, line))
                 goal = base + piece_bytes
             counted = max(len(data) - _OVERLAP, 0)
@@ -141,6 +144,24 @@ def _spans(path: Path, size: int, piece_bytes: int, rule: re.Pattern) -> list[Sp
             data, base = data[counted:], base + counted
     ends = [start for start, _ in cuts[1:]] + [None]
     return [Span(start, end, first) for (start, first), end in zip(cuts, ends, strict=True)]
+
+
+def _find_cut(rule: re.Pattern, data: bytes, start: int) -> int | None:
+    """The first cut at or after ``start`` in ``data``: the end of a match of ``rule`` that
+    ends the paragraphs there (None: none yet; more bytes may show one)."""
+    for match in rule.finditer(data, start):
+        if rule is _CUTS["line"] or _ends_paragraphs(data, match.end()):
+            return match.end()
+    return None
+
+
+def _ends_paragraphs(data: bytes, at: int) -> bool:
+    """Whether the line starting at ``at`` holds a character that is not whitespace (as
+    ``str.isspace`` and the separator's ``\\s`` see it: no-break and ideographic spaces are
+    whitespace): then the separator before it ends at ``at``. Bytes that do not decode — an
+    incomplete character at the end of ``data`` — count as whitespace, so a doubt is no cut."""
+    stop = data.find(b"\n", at)
+    return bool(data[at : len(data) if stop < 0 else stop].decode("utf-8", "ignore").strip())
 
 
 def _row_groups(path: Path, piece_bytes: int) -> list[Span]:
@@ -187,3 +208,16 @@ def read_corpus(corpus: str, fields: FieldNames, strict: bool,
     the_plan = plan(corpus, layout, piece_bytes)
     return (record for row in the_plan["pieces"]
             for record in read_piece(the_plan, Piece.from_json(row), fields, layout, strict))
+
+
+def piece_cost(the_plan: dict, i: int) -> int:
+    """Bytes piece ``i`` reads, about: its files' sizes, the byte range it reads of a cut
+    file, or for parquet its share of the file's pieces."""
+    piece = Piece.from_json(the_plan["pieces"][i])
+    sizes = [row[2] for row in the_plan["files"][piece.first : piece.stop]]
+    if piece.span.whole:
+        return sum(sizes)
+    if file_kind(Path(the_plan["files"][piece.first][0]))[0] != "parquet":
+        end = sizes[0] if piece.span.end is None else piece.span.end
+        return end - piece.span.start
+    return sizes[0] // sum(Piece.from_json(p).first == piece.first for p in the_plan["pieces"])

@@ -13,8 +13,9 @@ when complete (no half dataset is ever visible as complete):
    over the workers (``data/pack.py``; a shard's result file marks it finished);
 4. write ``manifest.json`` with the shard index, delete the spools, rename into place.
 
-``--workers N`` uses N cores: N processes each with a one-thread tokenizer (``data/pool.py``),
-and N tokenizer-training threads. The output never depends on N.
+``--workers N`` uses N cores: N processes each with a one-thread tokenizer (``data/executors.py``),
+and N tokenizer-training threads; ``--executor dask`` reads and packs on a Dask cluster. The
+output never depends on the executor or N.
 
 One writer per ``--out``: the whole prepare holds its lock (``core/locks.py``; a second one is
 refused naming the first), and ``--out`` is checked again before the rename.
@@ -29,6 +30,7 @@ run; an error keeps what was finished (the partial is deleted only when nothing 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import platform
 import shutil
@@ -53,20 +55,26 @@ from clozax.data.dataset import (
     fingerprint,
     unigram_file,
 )
+from clozax.data.executors import EXECUTORS, Dask, Local, Task, WorkerFailed, dask_available
 from clozax.data.pack import result_path
 from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, PACKER_VERSION
-from clozax.data.pieces import plan
-from clozax.data.pool import Pool, WorkerFailed
+from clozax.data.pieces import piece_cost, plan
 from clozax.data.prepare_summary import print_summary, progress_bars
 from clozax.data.readers import Layout
 from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from clozax.data.split import SPLITS, TRAIN
-from clozax.data.spool import Dedup, Sample, piece_read
-from clozax.data.tokenizer import TOKENIZER_MODELS, find_specials, load_tokenizer
+from clozax.data.spool import Dedup, Sample, piece_read, spool_path
+from clozax.data.tokenizer import (
+    TOKENIZER_MODELS,
+    find_specials,
+    load_tokenizer,
+    parse_special_tokens,
+    special_strings,
+)
 
 # Input bytes per piece, so per data shard (at least: see pieces.MAX_PIECES).
 SHARD_BYTES = 1 << 22
-SPEED_ONLY = ("workers", "overwrite", "discard_partial")  # they change no byte
+SPEED_ONLY = ("workers", "executor", "scheduler", "overwrite", "discard_partial")  # no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
 
@@ -86,6 +94,7 @@ class PrepareConfig:
     seed: int = 0
     tokenizer_model: str = "bpe"
     tokenizer: Path | None = None
+    special_tokens: str | None = None  # "mask=<mask>,…": the given tokenizer's own strings
     vocab_size: int = 8192
     tokenizer_sample: int | None = None
     lowercase: bool = True
@@ -94,6 +103,8 @@ class PrepareConfig:
     overwrite: bool = False
     shard_bytes: int = SHARD_BYTES
     workers: int | None = None  # None: every core
+    executor: str = "local"  # or "dask" (data/executors.py)
+    scheduler: str | None = None  # a Dask scheduler's address; None: a local cluster
     discard_partial: bool = False  # delete an unfinished prepare of other settings
 
     def __post_init__(self):
@@ -122,6 +133,20 @@ class PrepareConfig:
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"--workers {self.workers} must be at least 1; omit it to use "
                              "every core")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"--executor {self.executor!r} is unknown; use one of "
+                             f"{', '.join(EXECUTORS)}")
+        if self.scheduler is not None and self.executor != "dask":
+            raise ValueError("--scheduler names a Dask scheduler; pass --executor dask with it "
+                             "(or drop --scheduler)")
+        if self.executor == "dask" and not dask_available():
+            raise ValueError("--executor dask needs Dask distributed: pip install "
+                             "'clozax[cluster]' (or use --executor local)")
+        if self.special_tokens is not None:
+            if self.tokenizer is None:
+                raise ValueError("--special-tokens names the strings of a given tokenizer; "
+                                 "pass --tokenizer with it (a trained one uses BERT's)")
+            parse_special_tokens(self.special_tokens)  # validates it
         if self.tokenizer_sample is not None and self.tokenizer_sample < 1:
             raise ValueError(f"--tokenizer-sample {self.tokenizer_sample} must be at least 1 "
                              "(documents to train the tokenizer on); omit it to use them all")
@@ -136,6 +161,10 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
     if unknown:
         raise ValueError(f"unknown prepare option(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(valid)}")
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # as multiprocessing
+        # checks it: a spawned worker is importing the parent's script
+        raise RuntimeError("prepare() was called while a prepare worker imported your script; "
+                           "put the call under `if __name__ == \"__main__\":`")
     config = PrepareConfig(out=Path(out), **options)
     console = console or Console()
     say = (lambda message: None) if quiet else (
@@ -147,8 +176,9 @@ def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = N
 def _prepare(config: PrepareConfig, quiet: bool, console: Console, say) -> dict:
     out = config.out
     _check_out(config)
-    if config.tokenizer is not None:
-        load_tokenizer(config.tokenizer)  # fail on a bad --tokenizer before reading
+    if config.tokenizer is not None:  # fail on a bad --tokenizer before reading
+        find_specials(load_tokenizer(config.tokenizer), parse_special_tokens(
+            config.special_tokens) if config.special_tokens else None)
     started = time.perf_counter()
     layout = Layout(config.text_unit, config.group_by)
     pieces = plan(config.corpus, layout, config.shard_bytes)  # checks the path now
@@ -159,8 +189,9 @@ def _prepare(config: PrepareConfig, quiet: bool, console: Console, say) -> dict:
     partial.begin(tmp, settings)
     try:
         progress = progress_bars(quiet)
-        with progress:
-            manifest = _build(config, pieces, tmp, progress, seconds, say)
+        local, executor = _executors(config, len(pieces["pieces"]), say)
+        with progress, executor:
+            manifest = _build(config, pieces, tmp, progress, seconds, local, executor, say)
     except WorkerFailed:
         raise  # its message says that the finished part is kept
     except ValueError as e:  # bad input: keep what was finished (nothing, if it came first)
@@ -194,8 +225,7 @@ def _check_out(config: PrepareConfig) -> None:
 
 
 def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
-           seconds: dict[str, float], say) -> dict:
-    workers = Pool(config.workers or os.cpu_count() or 1, inline=len(the_plan["pieces"]) == 1)
+           seconds: dict[str, float], local: Local, executor: Local | Dask, say) -> dict:
     clock = time.perf_counter()
     # Each phase is keyed by what it depends on (data/partial.py), so a rerun with other
     # tokenizer or packing settings keeps the reading, and one with the same keeps it all.
@@ -203,14 +233,15 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     tokenizer_key = partial.key_of([corpus, config.tokenizer_model, config.vocab_size,
                                     config.lowercase, config.tokenizer and
                                     file_sha256(config.tokenizer)])
-    pack_key = partial.key_of([tokenizer_key, config.seq_len, PACKER_VERSION])
+    pack_key = partial.key_of([tokenizer_key, config.seq_len, PACKER_VERSION,
+                               *([config.special_tokens] if config.special_tokens else [])])
     if (tmp / "manifest.json").is_file() and partial.phase_done(tmp, "manifest", pack_key):
         return files.read_json(tmp / "manifest.json")  # finished; killed before its rename
     # 1. read, clean, split and spool the pieces; dedup in corpus order (skipped when a resumed
     #    run finished it for this corpus)
     phase1 = files.read_json(tmp / "spool" / "done.json")
     if phase1 is None or phase1.get("corpus") != corpus:
-        phase1 = _read_pieces(config, the_plan, tmp, progress, workers, corpus, say)
+        phase1 = _read_pieces(config, the_plan, tmp, progress, executor, corpus, say)
     accounting = Accounting(**phase1["accounting"])
     docs, groups, shards = phase1["docs"], phase1["groups"], phase1["shards"]
     seconds["reading"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -232,20 +263,22 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
             training = progress.add_task("training tokenizer", total=1, detail=f"{n_train:,}")
             options = {"model": config.tokenizer_model, "vocab_size": config.vocab_size,
                        "lowercase": config.lowercase, "length": n_train}
-            workers.run([{"kind": "train", "args": {
+            local.run([Task("train", {  # here: one task with every local core's thread
                 "tmp": str(tmp), "pieces": shards[TRAIN], "threshold": threshold,
-                "seed": config.seed, "options": options}}])
+                "seed": config.seed, "options": options})])
             progress.advance(training)
         partial.mark_phase(tmp, "tokenizer", tokenizer_key)
         partial_tokenizer.rename(tokenizer_path)
     seconds["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
     tok = load_tokenizer(tokenizer_path)
-    specials = find_specials(tok)
+    names = parse_special_tokens(config.special_tokens) if config.special_tokens else None
+    specials = find_specials(tok, names)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     # 3. encode, chunk, pack, write: one data shard per piece with kept documents of a split
-    tasks = [{"kind": "pack", "args": {"tmp": str(tmp), "split": split, "k": k, "piece": piece,
-                                       "seq_len": config.seq_len}}
+    tasks = [Task("pack", {"tmp": str(tmp), "split": split, "k": k, "piece": piece,
+                           "seq_len": config.seq_len, "specials": specials},
+                  spool_path(tmp, piece, split).stat().st_size)
              for split in SPLITS for k, piece in enumerate(shards[split])]
     packing = progress.add_task("packing shards", total=len(tasks), detail="")
     if (tmp / "results").is_dir() and not partial.phase_done(tmp, "packing",
@@ -253,9 +286,9 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
         shutil.rmtree(tmp / "results")  # packed for another seq_len or tokenizer
     (tmp / "results").mkdir(exist_ok=True)
     partial.mark_phase(tmp, "packing", pack_key)
-    todo = [t for t in tasks if not result_path(tmp, t["args"]["split"], t["args"]["k"]).is_file()]
+    todo = [t for t in tasks if not result_path(tmp, t.args["split"], t.args["k"]).is_file()]
     progress.advance(packing, len(tasks) - len(todo))
-    workers.run(todo, done=lambda i: progress.advance(packing))
+    executor.run(todo, done=lambda i: progress.advance(packing))
     seconds["packing"] = time.perf_counter() - clock
     split_stats, ids_sha256, index = {}, {}, {}
     keys = ("documents", "rows", "tokens", "chunks", "chunked_documents")
@@ -312,6 +345,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
             "model": "given" if config.tokenizer else config.tokenizer_model,
             "lowercase": None if config.tokenizer else config.lowercase,
             "specials": specials,
+            "special_strings": special_strings(tok, specials),
         },
         "seq_len": config.seq_len,
         "packing_efficiency": real / total,
@@ -332,6 +366,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
         "packer": PACKER_VERSION,
         "shard_bytes": config.shard_bytes,
         "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+        **({"specials": specials} if config.special_tokens else {}),  # named, not found
         "files": file_records(tmp, data_files(index)),
     }
     manifest["fingerprint"] = fingerprint(manifest["identity"])
@@ -340,8 +375,25 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     return manifest
 
 
+def _executors(config: PrepareConfig, pieces: int, say) -> tuple[Local, Local | Dask]:
+    """This machine's executor (the tokenizer trains here) and the one reading and packing:
+    the same, or Dask. ``--workers`` beyond the cores or the pieces is capped, with a note."""
+    cores = os.cpu_count() or 1
+    asked = config.workers or cores
+    if config.executor == "dask":
+        return Local(min(asked, cores)), Dask(config.scheduler, min(asked, pieces))
+    workers = min(asked, cores)
+    if asked > cores:
+        say(f"--workers {asked} is more than this machine's {cores} cores: using {cores}")
+    if config.workers is not None and pieces < workers:
+        say(f"the corpus is {pieces} piece{'s' * (pieces > 1)}: reading on {pieces} "
+            f"worker{'s' * (pieces > 1)} (pieces are about --shard-bytes "
+            f"{config.shard_bytes:,} of input)")
+    return (local := Local(workers, inline=pieces == 1)), local
+
+
 def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
-                 workers: Pool, corpus: str, say) -> dict:
+                 executor: Local | Dask, corpus: str, say) -> dict:
     """Phase 1 (see the module docstring and ``data/spool.py``): read pieces over the workers,
     merging each here as soon as every piece before it is merged."""
     (tmp / "spool").mkdir(exist_ok=True)
@@ -353,7 +405,7 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
         "seed": config.seed, "heldout_fraction": config.heldout_fraction})
     n = len(the_plan["pieces"])
     sample = Sample(None if config.tokenizer else config.tokenizer_sample, config.seed)
-    dedup = Dedup(tmp, sample)
+    dedup = Dedup(tmp, sample, group_runs=config.group_field is None)
     reading = progress.add_task("reading", total=n, detail="")
     read = [piece_read(tmp, i) for i in range(n)]  # a resumed run keeps the pieces it read
     merged = 0
@@ -371,8 +423,8 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
 
     merge_ready()
     todo = [i for i in range(n) if not read[i]]
-    workers.run([{"kind": "read", "args": {"tmp": str(tmp), "piece": i}} for i in todo],
-                done=finished)
+    executor.run([Task("read", {"tmp": str(tmp), "piece": i}, piece_cost(the_plan, i))
+                  for i in todo], done=finished)
     groups = dedup.close()
     accounting = dedup.accounting
     accounting.check()

@@ -6,7 +6,9 @@ file, each paragraph (blank-line separated) or each line is a document; JSONL, p
 batch) and arrow files (``datasets``' ``save_to_disk``) give one document per row.
 
 Groups (the unit the split keeps on one side): ``--group-field`` for rows when given; else
-``group_by="document"`` makes each document its own group, ``group_by="file"`` puts every
+``group_by="document"`` makes each document its own group, named by its content
+(``content_group``: never by its line number, so reordering or prepending rows moves no
+document across the split; a whole text file's is its name), ``group_by="file"`` puts every
 document of a file in one group. A text document's label is its top-level subdirectory.
 
 Memory stays bounded whatever the input's shape: text is decoded in blocks, a document longer
@@ -18,6 +20,7 @@ with a reason, or a ``ValueError`` when ``strict`` is set.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,8 +176,8 @@ def _read_text(path: Path, rel: str, layout: Layout, span: Span) -> Iterator[Rec
     whole_file = layout.text_unit == "file"
     pending: list[RawDocument] = []  # a whole file's single document waits for the end
 
-    def doc(text: str, source: str) -> RawDocument:
-        group = rel if whole_file or layout.group_by == "file" else source
+    def doc(text: str, source: str, group: str | None = None) -> RawDocument:
+        group = rel if whole_file or layout.group_by == "file" else group
         return RawDocument(text=text, group=group, label=top, source=source)
 
     try:
@@ -188,7 +191,7 @@ def _read_text(path: Path, rel: str, layout: Layout, span: Span) -> Iterator[Rec
     pieces = units(text_blocks(handle, span.start, length),
                    None if whole_file else SEPARATORS[layout.text_unit], line=span.line,
                    tail=span.end is None)
-    emitted = False
+    emitted, group = False, None
     try:
         with handle:
             for line, text, part in pieces:
@@ -201,7 +204,9 @@ def _read_text(path: Path, rel: str, layout: Layout, span: Span) -> Iterator[Rec
                 if not whole_file and not text.strip():
                     continue  # blank units separate nothing; they are not documents
                 emitted = True
-                yield from split_long(doc(text, source))
+                if part <= 1:  # a long unit's parts share its first part's group
+                    group = content_group(text)
+                yield from split_long(doc(text, source, group))
     except (BadBytes, OSError) as e:
         reason = str(e) if isinstance(e, BadBytes) else \
             f"unreadable ({e.strerror or type(e).__name__})"
@@ -211,7 +216,13 @@ def _read_text(path: Path, rel: str, layout: Layout, span: Span) -> Iterator[Rec
     yield from pending
 
 
-def _from_row(row: object, where: str, fields: FieldNames, group_default: str) -> Record:
+def content_group(text: str) -> str:
+    """A document's default group: a digest of its text (a long one's parts share it)."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12)
+    return f"text:{digest.hexdigest()}"
+
+
+def _from_row(row: object, where: str, fields: FieldNames, group_default: str | None) -> Record:
     if not isinstance(row, dict):
         return Skip(where, f"not a JSON object (got {type(row).__name__})")
     text = row.get(fields.text)
@@ -225,11 +236,11 @@ def _from_row(row: object, where: str, fields: FieldNames, group_default: str) -
             if row.get(name) is None:
                 return Skip(where, f"lacks {kind} field {name!r}")
             found[kind] = str(row[name])
-    return RawDocument(text=text, group=found.get("group", group_default),
-                       label=found.get("label"), source=where)
+    group = found["group"] if "group" in found else group_default or content_group(text)
+    return RawDocument(text=text, group=group, label=found.get("label"), source=where)
 
 
-def _jsonl_row(line: bytes, where: str, fields: FieldNames, group: str) -> Record:
+def _jsonl_row(line: bytes, where: str, fields: FieldNames, group: str | None) -> Record:
     """One JSONL line as a document, or a skip naming what is wrong with it: bytes that are not
     UTF-8, invalid JSON, nesting too deep to parse, a string that is not valid Unicode (a
     lone surrogate such as "\\ud800", valid JSON and common in crawls), any other
@@ -283,7 +294,7 @@ def _read_jsonl(path: Path, rel: str, fields: FieldNames, layout: Layout,
                 if not line.strip():
                     continue  # blank lines separate nothing; they are not documents
                 yield _jsonl_row(line, where, fields, rel if layout.group_by == "file"
-                                 else where)
+                                 else None)
     except (OSError, *decompression_errors()) as e:
         yield Skip(f"{rel}:{number + 1}+", f"corrupt compressed data ({type(e).__name__}); "
                    "the rest of the file is skipped")
@@ -295,7 +306,7 @@ def _table_rows(batches, rel: str, fields: FieldNames, layout: Layout,
         for row in batch.to_pylist():
             number += 1
             where = f"{rel}:{number}"
-            group = rel if layout.group_by == "file" else where
+            group = rel if layout.group_by == "file" else None
             yield _from_row(row, where, fields, group)
 
 

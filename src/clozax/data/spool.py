@@ -9,8 +9,12 @@ Per piece ``i`` (``data/pieces.py``), a worker writes to ``spool/``:
 
 Then this process merges the pieces in corpus order (``Dedup``): a digest seen in an earlier
 piece makes a later copy a duplicate — so the first occurrence in the corpus wins, whatever the
-number of workers — and ``{i}.merge.json`` lists the dropped documents. Digests and group keys
-live in an on-disk SQLite set (``DiskSet``), so memory does not grow with the corpus. The merge
+number of workers — and ``{i}.merge.json`` lists the dropped documents. Digests live in an
+on-disk SQLite set (``DiskSet``), so memory does not grow with the corpus. Distinct groups are
+counted as runs of equal group keys among the kept documents of a split, in corpus order,
+without storing them, when a group can only be a run: a document's content (a long one's parts
+are consecutive; equal content is a duplicate) or its file (whose documents are consecutive).
+Only ``--group-field`` groups, which may recur anywhere, go into a set as well. The merge
 is cheap (16 bytes per document), so resuming a killed prepare simply merges the read pieces
 again.
 """
@@ -121,11 +125,13 @@ class Sample:
 class Dedup:
     """Merges read pieces in corpus order (see the module docstring); one instance per run."""
 
-    def __init__(self, tmp: Path, sample: Sample):
+    def __init__(self, tmp: Path, sample: Sample, group_runs: bool):
         path = tmp / "spool" / "sets.sqlite"
         path.unlink(missing_ok=True)  # a killed run's half merge is redone from the start
-        self.tmp, self.path, self.sample = tmp, path, sample
+        self.tmp, self.path, self.sample, self.group_runs = tmp, path, sample, group_runs
         self.sets = DiskSet(path, ("digests", *(f"{split}_groups" for split in SPLITS)))
+        self.runs = dict.fromkeys(SPLITS, 0)  # with group_runs: runs of equal group keys
+        self.last: dict[str, int | None] = dict.fromkeys(SPLITS)
         self.accounting = Accounting()
         self.docs = dict.fromkeys(SPLITS, 0)
         self.shards: dict[str, list[int]] = {split: [] for split in SPLITS}
@@ -139,7 +145,10 @@ class Dedup:
         for digest, side, group in keys.tolist():
             split = SPLITS[side]
             if self.sets.add("digests", digest):
-                self.sets.add(f"{split}_groups", group.to_bytes(8, "little"))
+                if not self.group_runs:
+                    self.sets.add(f"{split}_groups", group.to_bytes(8, "little"))
+                elif group != self.last[split]:
+                    self.runs[split], self.last[split] = self.runs[split] + 1, group
                 if split == TRAIN:
                     self.sample.offer(digest.hex())
             else:
@@ -156,7 +165,8 @@ class Dedup:
 
     def close(self) -> dict[str, int]:
         """Distinct groups per split; the set file is deleted."""
-        groups = {split: self.sets.count(f"{split}_groups") for split in SPLITS}
+        groups = self.runs if self.group_runs else {
+            split: self.sets.count(f"{split}_groups") for split in SPLITS}
         self.sets.close()
         self.path.unlink()
         return groups

@@ -27,6 +27,12 @@ from clozax.core.vocab import SPECIAL_NAMES, SPECIAL_TOKENS
 
 TOKENIZER_MODELS = ("bpe", "wordpiece")
 _WORD_MARK = "\u2581"  # ▁
+# The specials' strings of a given tokenizer, tried in this order: BERT's (also clozax's own
+# and ModernBERT's), RoBERTa's (also RoBERTa-PreLayerNorm's, XLM-R's); ``--special-tokens``
+# names any that differ.
+STYLES = {"bert": SPECIAL_TOKENS,
+          "roberta": {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>",
+                      "mask": "<mask>"}}
 
 
 def train_tokenizer(texts: Iterable[str], *, model: str, vocab_size: int, lowercase: bool,
@@ -71,21 +77,49 @@ def train_tokenizer(texts: Iterable[str], *, model: str, vocab_size: int, lowerc
     return tok
 
 
-def find_specials(tok: Tokenizer) -> dict[str, int]:
-    """Ids of the five specials by BERT-style name; error naming any that is missing."""
-    ids = {name: tok.token_to_id(SPECIAL_TOKENS[name]) for name in SPECIAL_NAMES}
-    missing = [SPECIAL_TOKENS[name] for name, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"tokenizer lacks special token(s) {', '.join(missing)}; add them to "
-                         "its vocabulary or let `clozax prepare` train one (drop --tokenizer)")
-    if len(set(ids.values())) != len(ids):
-        raise ValueError(f"tokenizer maps two special tokens to one id ({ids}); give each of "
-                         f"{', '.join(SPECIAL_TOKENS.values())} its own id")
-    return {name: int(i) for name, i in ids.items()}
+def parse_special_tokens(text: str | None) -> dict[str, str]:
+    """``"mask=<blank>,pad=<pad>"`` as ``{name: string}``; ValueError naming a bad entry."""
+    names: dict[str, str] = {}
+    for entry in (text or "").split(","):
+        name, eq, string = entry.strip().partition("=")
+        if not eq or name not in SPECIAL_NAMES or not string or name in names:
+            raise ValueError(f"--special-tokens entry {entry.strip()!r} is not NAME=STRING with "
+                             f"a NAME of {', '.join(SPECIAL_NAMES)} given once; e.g. "
+                             "--special-tokens mask=<mask>,cls=<s>")
+        names[name] = string
+    return names
+
+
+def find_specials(tok: Tokenizer, names: dict[str, str] | None = None) -> dict[str, int]:
+    """Ids of the five specials by name: ``names`` (strings by name) for those given, the
+    rest in the first of ``STYLES`` the tokenizer has them all in; an error saying what is
+    missing and how to name it otherwise."""
+    names = names or {}
+    missing = {}
+    for style, strings in STYLES.items():
+        wanted = {**strings, **names}
+        ids = {name: tok.token_to_id(wanted[name]) for name in SPECIAL_NAMES}
+        missing[style] = [wanted[name] for name, i in ids.items() if i is None]
+        if missing[style]:
+            continue
+        if len(set(ids.values())) != len(ids):
+            raise ValueError(f"tokenizer maps two special tokens to one id ({ids}); give each "
+                             "special its own token with --special-tokens")
+        return {name: int(i) for name, i in ids.items()}
+    lacks = "; ".join(f"{style}: {' '.join(m)}" for style, m in missing.items())
+    raise ValueError(f"tokenizer lacks special token(s) ({lacks}); name its own with "
+                     "--special-tokens pad=…,unk=…,cls=…,sep=…,mask=…, or let `clozax prepare` "
+                     "train one (drop --tokenizer)")
+
+
+def special_strings(tok: Tokenizer, ids: dict[str, int]) -> dict[str, str]:
+    """Each special's string in ``tok``, by name."""
+    return {name: tok.id_to_token(int(ids[name])) for name in SPECIAL_NAMES}
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    """Load a ``tokenizer.json`` unchanged; ``ValueError`` when it cannot be used."""
+    """Load a ``tokenizer.json`` unchanged; ``ValueError`` when it cannot be loaded (its
+    specials: ``find_specials``, or the ids a dataset or run records)."""
     if not path.is_file():
         raise ValueError(f"tokenizer file {path} does not exist; pass an existing "
                          "tokenizer.json or drop --tokenizer to train one")
@@ -95,5 +129,4 @@ def load_tokenizer(path: Path) -> Tokenizer:
         raise ValueError(f"tokenizer file {path} is not a valid tokenizer.json "
                          f"({str(e).splitlines()[0][:200]}); pass a file saved by "
                          "HF tokenizers") from None
-    find_specials(tok)
     return tok

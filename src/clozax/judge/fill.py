@@ -1,8 +1,9 @@
-"""Fill in the blanks: the trained model's top-k predictions at each ``[MASK]`` in a text.
+"""Fill in the blanks: the trained model's top-k predictions at each mask in a text.
 
-The text is encoded with the run's frozen tokenizer as ``[CLS] text [SEP]``; the literal
-``[MASK]`` is one of the tokenizer's special tokens, so it becomes the mask id (and only the
-exact upper-case spelling does). Probabilities are the model's softmax over the whole vocabulary.
+The text is encoded with the run's frozen tokenizer as ``[CLS] text [SEP]``; the mask is the
+tokenizer's own mask string (``[MASK]`` for BERT-style tokenizers, ``<mask>`` for RoBERTa's),
+one of its special tokens, so it becomes the mask id (and only its exact spelling does).
+Probabilities are the model's softmax over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -17,22 +18,21 @@ from clozax.data.tokenizer import load_tokenizer
 from clozax.judge.failures import token_piece
 from clozax.train.run_dir import load_run
 
-MASK_TEXT = "[MASK]"
-
 
 def encode(tokenizer, specials: dict[str, int], text: str, max_positions: int) -> np.ndarray:
     """(seq,) int32 ids of ``[CLS] text [SEP]``; ValueError without a mask or when too long."""
-    if MASK_TEXT not in text:
-        raise ValueError(f"text has no {MASK_TEXT}; write {MASK_TEXT} (upper case, with "
-                         "brackets) where the model should fill in a token")
+    mask = tokenizer.id_to_token(specials["mask"])
+    if mask not in text:
+        raise ValueError(f"text has no {mask} (this run's mask token); write {mask} exactly "
+                         "where the model should fill in a token")
     body = tokenizer.encode(text, add_special_tokens=False).ids
     ids = np.asarray([specials["cls"], *body, specials["sep"]], np.int32)
     if ids.size > max_positions:
         raise ValueError(f"text is {ids.size} tokens with [CLS]/[SEP], longer than the model's "
                          f"{max_positions} positions; shorten it")
     if not np.any(ids == specials["mask"]):
-        raise ValueError(f"the run's tokenizer did not turn {MASK_TEXT} into its mask id; "
-                         "the tokenizer must declare [MASK] as a special token")
+        raise ValueError(f"the run's tokenizer did not turn {mask} into its mask id; the "
+                         f"tokenizer must declare {mask} as a special token")
     return ids
 
 

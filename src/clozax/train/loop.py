@@ -223,6 +223,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             # the longest row trained on, the source's included (LoadedRun.trained_length)
             "trained_length": max(seq_len, init_run.trained_length if init_run else 0),
             "specials": dataset.specials,
+            "special_strings": dataset.special_strings,
             "seed": config.train.seed,
             "eval_seed": config.train.eval_seed,
             "init_from": str(Path(init_from).absolute()) if init_from else None,
