@@ -17,6 +17,10 @@ documents, very long lines, very long unbroken runs (20 files of each), and many
         --tokenizer-sample 20000            # one 1 GB .txt file, by paragraph
     .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --workers-ratio 50 --rounds 2 \
         --baseline ../old/src          # and an older commit's prepare, side by side
+    .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --executors 40 --rounds 2 \
+        --baseline ../old/src          # executors on few- and many-piece corpora
+    .venv/bin/python benchmarks/prepare.py --no-stdlib --sizes --non-ascii 1000 \
+        --tokenizer-sample 20000       # one 1 GB Cyrillic/Greek/CJK .txt file, by paragraph
 """
 
 from __future__ import annotations
@@ -109,6 +113,33 @@ def generate_text(path: Path, megabytes: float, seed: int = 0) -> int:
     return n
 
 
+SCRIPTS = {  # syllables of three scripts, for text no ASCII byte starts a paragraph of
+    "cyrillic": "ба ве ги до жу зе ки ло му но пы ре со ту фе хи це чу ша щё эй юн яр".split(),
+    "greek": "λα με νι ξο πυ ρα σε τι φο χυ ψα ωμ αλ ελ ιν ον".split(),
+    "cjk": list("的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年"),
+}
+
+
+def generate_non_ascii(path: Path, megabytes: float, seed: int = 0) -> int:
+    """One plain-text file of about ``megabytes`` MB of blank-line separated paragraphs in
+    Cyrillic, Greek and CJK, some opening with a quote or an accented letter; returns the
+    paragraph count."""
+    rng = random.Random(seed)
+    target, written, n = int(megabytes * 1e6), 0, 0
+    openers = ["", "", "«", "“", "É", "Ж"]
+    with path.open("w", encoding="utf-8") as f:
+        while written < target:
+            script = SCRIPTS[rng.choice(list(SCRIPTS))]
+            joiner = "" if script is SCRIPTS["cjk"] else " "
+            words = [joiner.join(rng.choice(script) for _ in range(rng.randint(1, 4)))
+                     for _ in range(rng.randint(8, 60))]
+            piece = f"{rng.choice(openers)}{' '.join(words)} {n}.\n\n"
+            f.write(piece)
+            written += len(piece.encode("utf-8"))
+            n += 1
+    return n
+
+
 def run_prepare(corpus: str, out: Path, extra: list[str], src: Path | None = None,
                 one_core: bool = False) -> dict:
     """One prepare subprocess: wall seconds, peak RSS (MiB) and the manifest. ``src``: run the
@@ -131,7 +162,9 @@ def run_prepare(corpus: str, out: Path, extra: list[str], src: Path | None = Non
     manifest = json.loads((out / "manifest.json").read_text())
     phases = re.search(r"prepared in [\d.]+ s \((.*)\)", summary)  # older versions: none
     return {"seconds": seconds, "rss_mib": usage.ru_maxrss / 1024, "manifest": manifest,
-            "phases": phases.group(1) if phases else ""}
+            "phases": phases.group(1) if phases else "",
+            # CPU seconds of the process and its waited-for workers, per wall second
+            "cores_busy": (usage.ru_utime + usage.ru_stime) / seconds}
 
 
 def report(name: str, size_mb: float | None, result: dict) -> None:
@@ -197,6 +230,47 @@ def workers_ratio(tmp: Path, megabytes: float, extra: list[str], baseline: Path 
                   flush=True)
 
 
+def executors(tmp: Path, megabytes: float, extra: list[str], baseline: Path | None,
+              rounds: int) -> None:
+    """Seconds of the local executor at --workers 1 and 2, of a local Dask cluster of 2, and
+    with ``baseline`` (another checkout's src/) of its prepare at 1 and 2, on a few-piece
+    corpus (two files of 70 % and 30 %, one piece each) and a many-piece one (one file cut into
+    4 MiB pieces), in alternating rounds; ratios of the best of each against the baseline."""
+    few = tmp / "few"
+    few.mkdir()
+    generate_corpus(few / "a.jsonl", 0.7 * megabytes, seed=1)
+    generate_corpus(few / "b.jsonl", 0.3 * megabytes, seed=2)
+    many = tmp / "many.jsonl"
+    generate_corpus(many, megabytes, seed=3)
+    corpora = {"few pieces": (str(few), ["--shard-bytes", str((few / "a.jsonl").stat().st_size
+                                                              + 1)]),
+               "many pieces": (str(many), [])}
+    runs = {f"local {w}": (["--workers", str(w)], None) for w in (1, 2)}
+    runs["dask 2"] = (["--executor", "dask", "--workers", "2"], None)
+    if baseline is not None:
+        runs.update({f"baseline {w}": (["--workers", str(w)], baseline) for w in (1, 2)})
+    for corpus_name, (corpus, corpus_args) in corpora.items():
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, (args, src) in runs.items():
+                result = run_prepare(corpus, tmp / "ds-executors",
+                                     [*extra, *corpus_args, *args], src)
+                report(f"{name}", megabytes, result)
+                pieces = sum(len(v) for v in result["manifest"]["shards"].values())
+                print(f"    {corpus_name}: {pieces} shards, {result['cores_busy']:.2f} cores "
+                      "busy on average", flush=True)
+                seconds[name].append(result["seconds"])
+        best = {name: min(v) for name, v in seconds.items()}
+        line = ", ".join(f"{name} {s:.1f} s" for name, s in best.items())
+        print(f"{corpus_name} (best of {rounds}): {line}", flush=True)
+        print(f"    local 2 / local 1 speed: {best['local 1'] / best['local 2']:.2f}x; dask 2 "
+              f"/ local 2: {best['local 2'] / best['dask 2']:.2f}x", flush=True)
+        if baseline is not None:
+            for w in (1, 2):
+                print(f"    local {w} / baseline {w} speed: "
+                      f"{best[f'baseline {w}'] / best[f'local {w}']:.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="*", default=[200.0],
@@ -214,9 +288,14 @@ def main() -> None:
                         help="compare --workers 2 with --workers 1 on a corpus of this size")
     parser.add_argument("--text", type=float, default=None, metavar="MB",
                         help="one plain-text file of this size, --text-unit paragraph")
+    parser.add_argument("--executors", type=float, default=None, metavar="MB",
+                        help="compare the executors on few- and many-piece corpora of this "
+                        "size")
+    parser.add_argument("--non-ascii", type=float, default=None, metavar="MB",
+                        help="one Cyrillic/Greek/CJK plain-text file of this size, by paragraph")
     parser.add_argument("--baseline", type=Path, default=None, metavar="SRC",
-                        help="with --workers-ratio: also run the clozax in this src/ directory "
-                        "(e.g. a checkout of an older commit), on all cores and on one")
+                        help="with --workers-ratio or --executors: also run the clozax in this "
+                        "src/ directory (e.g. a checkout of an older commit)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --workers-ratio: alternating rounds (the best of each kind "
                         "counts)")
@@ -256,8 +335,21 @@ def main() -> None:
                 print(f"    {split}: {s['documents']:,} documents, {s['tokens']:,} tokens",
                       flush=True)
             corpus.unlink()
+        if args.non_ascii is not None:
+            corpus = tmp / "non-ascii.txt"
+            n = generate_non_ascii(corpus, args.non_ascii)
+            print(f"generated {corpus.name}: {n:,} paragraphs", flush=True)
+            result = run_prepare(str(corpus), tmp / "ds-non-ascii",
+                                 ["--text-unit", "paragraph", *extra])
+            report("non-ASCII", corpus.stat().st_size / 1e6, result)
+            shards = result["manifest"]["shards"]
+            print(f"    {len(shards['train'])} train shards (one per piece), "
+                  f"{result['cores_busy']:.2f} cores busy on average", flush=True)
+            corpus.unlink()
         if args.workers_ratio is not None:
             workers_ratio(tmp, args.workers_ratio, extra, args.baseline, args.rounds)
+        if args.executors is not None:
+            executors(tmp, args.executors, extra, args.baseline, args.rounds)
 
 
 if __name__ == "__main__":

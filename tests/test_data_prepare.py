@@ -218,6 +218,14 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "output exists": ([*c], "already exists; pass --overwrite"),
         "given tokenizer missing": ([*c, "--tokenizer", str(tmp_path / "t.json")],
                                     "tokenizer file"),
+        "unknown executor": ([*c, "--executor", "ray"], "--executor 'ray' is unknown; use one "
+                             "of local, dask"),
+        "scheduler without dask": ([*c, "--scheduler", "tcp://h:8786"],
+                                   "--scheduler names a Dask scheduler; pass --executor dask"),
+        "specials without a tokenizer": ([*c, "--special-tokens", "mask=<m>"],
+                                         "pass --tokenizer with it"),
+        "bad specials": ([*c, "--tokenizer", str(tmp_path / "t.json"), "--special-tokens",
+                          "mask"], "--special-tokens entry 'mask' is not NAME=STRING"),
     }
 
 

@@ -35,7 +35,7 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +46,6 @@ import clozax
 import clozax.data.partial as partial
 from clozax.core import files, locks
 from clozax.core.files import file_sha256, publish_dir
-from clozax.core.vocab import SPECIAL_NAMES
 from clozax.data.corpus import MAX_RUN_CHARS, Accounting, CorpusRejected, check_corpus
 from clozax.data.dataset import (
     FORMAT_VERSION,
@@ -55,101 +54,25 @@ from clozax.data.dataset import (
     fingerprint,
     unigram_file,
 )
-from clozax.data.executors import EXECUTORS, Dask, Local, Task, WorkerFailed, dask_available
+from clozax.data.executors import Dask, Local, Task, WorkerFailed
 from clozax.data.pack import result_path
-from clozax.data.packing import MAX_SEQ_LEN, MIN_SEQ_LEN, PACKER_VERSION
+from clozax.data.packing import PACKER_VERSION
 from clozax.data.pieces import piece_cost, plan
+from clozax.data.prepare_config import PrepareConfig, executors
 from clozax.data.prepare_summary import print_summary, progress_bars
 from clozax.data.readers import Layout
 from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from clozax.data.split import SPLITS, TRAIN
 from clozax.data.spool import Dedup, Sample, piece_read, spool_path
 from clozax.data.tokenizer import (
-    TOKENIZER_MODELS,
     find_specials,
     load_tokenizer,
     parse_special_tokens,
     special_strings,
 )
 
-# Input bytes per piece, so per data shard (at least: see pieces.MAX_PIECES).
-SHARD_BYTES = 1 << 22
-SPEED_ONLY = ("workers", "executor", "scheduler", "overwrite", "discard_partial")  # no byte
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
-
-
-@dataclass(frozen=True)
-class PrepareConfig:
-    """Everything that decides a prepared dataset's contents."""
-
-    out: Path
-    corpus: str = "stdlib"
-    text_field: str = "text"
-    group_field: str | None = None
-    label_field: str | None = None
-    text_unit: str = "file"
-    group_by: str = "document"
-    heldout_fraction: float = 0.05
-    seed: int = 0
-    tokenizer_model: str = "bpe"
-    tokenizer: Path | None = None
-    special_tokens: str | None = None  # "mask=<mask>,…": the given tokenizer's own strings
-    vocab_size: int = 8192
-    tokenizer_sample: int | None = None
-    lowercase: bool = True
-    seq_len: int = 128
-    strict: bool = False
-    overwrite: bool = False
-    shard_bytes: int = SHARD_BYTES
-    workers: int | None = None  # None: every core
-    executor: str = "local"  # or "dask" (data/executors.py)
-    scheduler: str | None = None  # a Dask scheduler's address; None: a local cluster
-    discard_partial: bool = False  # delete an unfinished prepare of other settings
-
-    def __post_init__(self):
-        if not MIN_SEQ_LEN <= self.seq_len <= MAX_SEQ_LEN:
-            raise ValueError(f"--seq-len {self.seq_len} is outside [{MIN_SEQ_LEN}, "
-                             f"{MAX_SEQ_LEN}]; pick a value in that range (and train with "
-                             "model.max_positions at least as large)")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise ValueError(f"--heldout-fraction {self.heldout_fraction} must be strictly "
-                             "between 0 and 1; 0.05 is the default")
-        if self.vocab_size <= len(SPECIAL_NAMES) or self.vocab_size > 2**32:
-            raise ValueError(f"--vocab-size {self.vocab_size} must exceed the "
-                             f"{len(SPECIAL_NAMES)} special tokens (and fit uint32); "
-                             "8192 is the default")
-        if self.tokenizer_model not in TOKENIZER_MODELS:
-            raise ValueError(f"--tokenizer-model {self.tokenizer_model!r} is unknown; use one "
-                             f"of {', '.join(TOKENIZER_MODELS)}")
-        if not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"--seed {self.seed} does not fit 64 bits; pick a smaller seed")
-        if not self.text_field:
-            raise ValueError("--text-field is empty; name the field holding the text")
-        Layout(self.text_unit, self.group_by)  # validates both
-        if self.shard_bytes < 1:
-            raise ValueError(f"--shard-bytes {self.shard_bytes} must be positive; "
-                             f"{SHARD_BYTES} is the default")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"--workers {self.workers} must be at least 1; omit it to use "
-                             "every core")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"--executor {self.executor!r} is unknown; use one of "
-                             f"{', '.join(EXECUTORS)}")
-        if self.scheduler is not None and self.executor != "dask":
-            raise ValueError("--scheduler names a Dask scheduler; pass --executor dask with it "
-                             "(or drop --scheduler)")
-        if self.executor == "dask" and not dask_available():
-            raise ValueError("--executor dask needs Dask distributed: pip install "
-                             "'clozax[cluster]' (or use --executor local)")
-        if self.special_tokens is not None:
-            if self.tokenizer is None:
-                raise ValueError("--special-tokens names the strings of a given tokenizer; "
-                                 "pass --tokenizer with it (a trained one uses BERT's)")
-            parse_special_tokens(self.special_tokens)  # validates it
-        if self.tokenizer_sample is not None and self.tokenizer_sample < 1:
-            raise ValueError(f"--tokenizer-sample {self.tokenizer_sample} must be at least 1 "
-                             "(documents to train the tokenizer on); omit it to use them all")
 
 
 def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = None,
@@ -189,7 +112,7 @@ def _prepare(config: PrepareConfig, quiet: bool, console: Console, say) -> dict:
     partial.begin(tmp, settings)
     try:
         progress = progress_bars(quiet)
-        local, executor = _executors(config, len(pieces["pieces"]), say)
+        local, executor = executors(config, len(pieces["pieces"]), say)
         with progress, executor:
             manifest = _build(config, pieces, tmp, progress, seconds, local, executor, say)
     except WorkerFailed:
@@ -241,7 +164,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     #    run finished it for this corpus)
     phase1 = files.read_json(tmp / "spool" / "done.json")
     if phase1 is None or phase1.get("corpus") != corpus:
-        phase1 = _read_pieces(config, the_plan, tmp, progress, executor, corpus, say)
+        phase1 = _read_pieces(config, the_plan, tmp, progress, executor, corpus, seconds, say)
     accounting = Accounting(**phase1["accounting"])
     docs, groups, shards = phase1["docs"], phase1["groups"], phase1["shards"]
     seconds["reading"], clock = time.perf_counter() - clock, time.perf_counter()
@@ -375,25 +298,9 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     return manifest
 
 
-def _executors(config: PrepareConfig, pieces: int, say) -> tuple[Local, Local | Dask]:
-    """This machine's executor (the tokenizer trains here) and the one reading and packing:
-    the same, or Dask. ``--workers`` beyond the cores or the pieces is capped, with a note."""
-    cores = os.cpu_count() or 1
-    asked = config.workers or cores
-    if config.executor == "dask":
-        return Local(min(asked, cores)), Dask(config.scheduler, min(asked, pieces))
-    workers = min(asked, cores)
-    if asked > cores:
-        say(f"--workers {asked} is more than this machine's {cores} cores: using {cores}")
-    if config.workers is not None and pieces < workers:
-        say(f"the corpus is {pieces} piece{'s' * (pieces > 1)}: reading on {pieces} "
-            f"worker{'s' * (pieces > 1)} (pieces are about --shard-bytes "
-            f"{config.shard_bytes:,} of input)")
-    return (local := Local(workers, inline=pieces == 1)), local
-
-
 def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
-                 executor: Local | Dask, corpus: str, say) -> dict:
+                 executor: Local | Dask, corpus: str, seconds: dict[str, float],
+                 say) -> dict:
     """Phase 1 (see the module docstring and ``data/spool.py``): read pieces over the workers,
     merging each here as soon as every piece before it is merged."""
     (tmp / "spool").mkdir(exist_ok=True)
@@ -410,12 +317,15 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
     read = [piece_read(tmp, i) for i in range(n)]  # a resumed run keeps the pieces it read
     merged = 0
 
-    def merge_ready() -> None:
+    def merge_ready() -> None:  # the serial part of reading, timed for the summary
         nonlocal merged
+        start = time.perf_counter()
         while merged < n and read[merged]:
             dedup.merge(merged)
             merged += 1
             progress.update(reading, completed=merged, detail=f"{dedup.accounting.read:,}")
+        seconds["merge (serial)"] = seconds.get("merge (serial)", 0.0) + \
+            time.perf_counter() - start
 
     def finished(i: int) -> None:
         read[todo[i]] = True
