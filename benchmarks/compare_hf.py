@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from clozax.core.flops import executed_flops_per_step, layer_keys, useful_flops_per_step
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT / "data" / "stdlib"
 SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
@@ -61,60 +63,6 @@ SHAPES = {  # model preset, vocabulary, sequence length, batch
 }
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 LR, B1, B2, EPS, WD, CLIP = 1e-3, 0.9, 0.98, 1e-6, 0.01, 1.0  # clozax's OptimConfig defaults
-
-
-# ----------------------------------------------------------------------------- FLOPs
-
-
-def _layer_forward_flops_per_token(hidden: int, intermediate: int, seq: int,
-                                   glu: bool = False) -> int:
-    """One encoder layer's forward matmul FLOPs per token: dense layers + attention over
-    ``seq`` keys (a local layer's keys: its window, ``layer_keys``). A GLU MLP's input matmul
-    is twice as wide (input and gate halves)."""
-    mlp = (3 if glu else 2) * hidden * intermediate
-    return 2 * (4 * hidden * hidden + mlp) + 4 * seq * hidden
-
-
-def layer_keys(seq: int, layers: int, global_every: int = 1, window: int = 0) -> list[int]:
-    """Keys each query attends to, per layer: ``seq`` on global layers, the ``window + 1``
-    keys within ``window // 2`` on each side on local ones (fewer only near the row's ends,
-    ignored here: an upper bound by < window / seq)."""
-    return [seq if i % global_every == 0 else min(seq, window + 1) for i in range(layers)]
-
-
-def useful_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: int, seq: int,
-                          batch: int, selected: int, glu: bool = False,
-                          keys: list[int] | None = None) -> float:
-    """Useful training FLOPs of one step (forward + backward = 3 x forward): the matmul work
-    the MLM loss depends on.
-
-    Per token per layer, ``2 * (4 H^2 + 2 H I)`` forward for the dense layers (QKV, attention
-    output, MLP in and out; embeddings excluded) and ``4 * seq * H`` for attention scores and
-    values, all over ``T = batch * seq`` tokens in every layer but the last. The loss reads the
-    last layer's output only at the ``S = batch * selected`` selected positions, so there the
-    keys and values count for all T tokens (``2 * 2 H^2``) and the query, attention, output
-    projection and MLP only for S. Plus the MLM head on S (transform and tied decoder,
-    ``2 * (H^2 + H V)``). Element-wise work (LayerNorm, GELU, softmax, AdamW) is not counted.
-    HF executes the full last layer and a dense head over all T (``executed_flops_per_step``).
-    ``keys`` (``layer_keys``) gives each layer's attended keys per query (default: ``seq``).
-    """
-    tokens, sel = batch * seq, batch * selected
-    keys = keys or [seq] * layers
-    per_token = [_layer_forward_flops_per_token(hidden, intermediate, k, glu) for k in keys]
-    last_kv = 2 * 2 * hidden * hidden * tokens
-    last_rows = (per_token[-1] - 2 * 2 * hidden * hidden) * sel  # all but the keys and values
-    head = 2 * (hidden * hidden + hidden * vocab) * sel
-    return float(3 * (sum(per_token[:-1]) * tokens + last_kv + last_rows + head))
-
-
-def executed_flops_per_step(hidden: int, layers: int, intermediate: int, vocab: int, seq: int,
-                            batch: int, glu: bool = False,
-                            keys: list[int] | None = None) -> float:
-    """Training FLOPs of a full encoder and a head over every position (what HF executes)."""
-    tokens = batch * seq
-    keys = keys or [seq] * layers
-    per_token = sum(_layer_forward_flops_per_token(hidden, intermediate, k, glu) for k in keys)
-    return float(3 * (per_token + 2 * (hidden * hidden + hidden * vocab)) * tokens)
 
 
 class MatmulPeak:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -76,11 +77,20 @@ def watched(stdlib_data, tmp_path_factory) -> dict:
         [sys.executable, "-c", faults.HOOKS + READERS, str(out), str(done)], cwd=faults.ROOT,
         env={**os.environ, "CLOZAX_TEST_AUDIT_WRITES": str(writes)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
+    live = _status(out)  # beside the trainer and the readers, as a user checking on a job
     _, err = trainer.communicate(timeout=300)
     done.touch()
     said, reader_err = readers.communicate(timeout=120)
     return {"run": out, "trainer": (trainer.returncode, err), "readers": (
-        readers.returncode, said.split(), reader_err), "writes": Path(f"{writes}-single")}
+        readers.returncode, said.split(), reader_err), "writes": Path(f"{writes}-single"),
+        "status": (trainer.pid, live, _status(out))}
+
+
+def _status(run: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "clozax.cli", "status", str(run), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 def _assert_same_run(run: Path, reference: Path) -> None:
@@ -99,16 +109,30 @@ def test_readers_beside_a_trainer_that_saves_every_other_step_never_disturb_it(w
     assert code == 0 and len(outcomes) >= 3 and set(outcomes) == {"ok"}, \
         (outcomes, reader_err[-2000:])
     assert "is training" in reader_err and "using its newest committed checkpoint" in reader_err
-    # The readers wrote only evaluate's own result files (atomically: a temporary, a rename).
+    # The readers wrote only evaluate's own result files (atomically: a temporary, a rename):
+    # the newest step's at the top, each step's in history/.
     out = watched["run"]
     log = watched["writes"]
     written = {Path(line.split(" ", 1)[1])
                for line in (log.read_text().splitlines() if log.exists() else [])}
     inside = {p for p in written if p.is_relative_to(out)}
-    assert {p.name.split(".tmp-")[0].lstrip(".") for p in inside} <= {"eval.json",
-                                                                      "failures.jsonl"}
-    assert all(p.parent == out for p in inside)
+    names = {(p.parent.relative_to(out).as_posix(), p.name.split(".tmp-")[0].lstrip("."))
+             for p in inside}
+    assert {n for where, n in names if where == "."} <= {"eval.json", "failures.jsonl"}
+    assert all(where == "." or where == "history" and re.fullmatch(r"eval-\d+\.json", n)
+               for where, n in names), names
     # (That the watched run's numbers are an undisturbed run's: the next test ends equal.)
+
+
+@pytest.mark.slow
+def test_status_of_a_live_run_names_its_step_and_lock_holder_and_then_its_end(watched):
+    pid, live, after = watched["status"]
+    assert live["state"] == "training" and live["lock"]["pid"] == pid
+    assert 0 < live["step"] < live["steps"] == STEPS and live["checkpoints"]
+    assert live["eta_s"] is not None and live["recent_losses"]
+    assert after["state"] == "finished" and after["lock"] is None and after["step"] == STEPS
+    assert after["checkpoints"][-1] == {"step": STEPS, "verified": True}
+    assert after["heldout_sample"]["step"] == STEPS and after["disk"]["run_bytes"] > 0
 
 
 # --------------------------------------------------------------------------- instants

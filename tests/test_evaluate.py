@@ -169,3 +169,26 @@ def test_evaluate_cli_rejects_a_run_without_checkpoint_or_with_other_data(tiny_r
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
         assert "Traceback" not in proc.stderr
+
+
+def test_every_checkpoint_and_step_score_those_checkpoints_and_keep_the_newest_on_top(
+        tiny_run_copy, capsys):
+    from clozax.cli import main
+    from clozax.judge import history
+    from clozax.judge.fill import fill
+
+    results = ev.evaluate_checkpoints(tiny_run_copy, failures=2, batch_size=16)
+    assert [r["step"] for r in results] == [3, 6]
+    assert results[0]["trained"]["loss"] != results[1]["trained"]["loss"]
+    assert [r["step"] for r in history.recorded(tiny_run_copy, "eval")] == [3, 6]
+    top = json.loads((tiny_run_copy / "eval.json").read_text())
+    again = ev.evaluate_run(tiny_run_copy, failures=2, batch_size=16, step=3)
+    assert again["trained"] == results[0]["trained"]  # the same checkpoint, the same numbers
+    assert json.loads((tiny_run_copy / "eval.json").read_text()) == top  # step 6 stays on top
+    assert fill(tiny_run_copy, "the [MASK] of it", top_k=2, step=3) != \
+        fill(tiny_run_copy, "the [MASK] of it", top_k=2, step=6)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate", str(tiny_run_copy), "--step", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert "has no checkpoint at step 4; it has [3, 6]" in err[0]

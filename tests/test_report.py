@@ -231,6 +231,33 @@ def test_stale_evaluation_is_flagged(full_report, tmp_path):
     assert "eval.json is from step 3 but the latest checkpoint is step 6" in page
 
 
+def test_cards_name_their_step_mixed_steps_are_flagged_and_checkpoints_make_a_curve(
+        full_report, tmp_path, monkeypatch):
+    from clozax.judge.evaluate import evaluate_checkpoints
+    from clozax.report import figures
+
+    run, page, _ = full_report
+    assert "held-out masked-token accuracy · step 6" in page and "different checkpoints" \
+        not in page
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "probe.json").write_text(json.dumps({**PROBE, "step": 3}))
+    evaluate_checkpoints(copy, failures=1)  # steps 3 and 6, into history/
+    drawn = {}
+    real = figures.line_plot
+
+    def spy(path, series, **kw):
+        drawn[path.name] = series
+        return real(path, series, **kw)
+
+    monkeypatch.setattr(figures, "line_plot", spy)
+    page = report_lib.write_report(copy).read_text()
+    assert ("These results are of different checkpoints (evaluate at step 6, probe at step 3, "
+            "audit at step 6)") in page
+    x, y = drawn["accuracy.png"]["held-out, whole set (clozax evaluate)"]
+    assert list(x) == [3 * 8 * 64, 6 * 8 * 64] and len(y) == 2  # tokens seen at 3 and 6
+
+
 def test_report_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path, capsys):
     from clozax.cli import main
 

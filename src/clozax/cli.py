@@ -4,7 +4,9 @@ Errors: bad arguments and any ``ValueError`` from the library print one line
 (``error: ...``) and exit 2; ``--debug`` (anywhere on the line) shows the traceback instead; a
 training stopped by a signal exits ``128 + signal`` after its checkpoint.
 
-``train`` and ``finetune`` have their options in ``cli_train.py`` and ``cli_finetune.py``.
+``train`` and ``finetune`` have their options in ``cli_train.py`` and ``cli_finetune.py``;
+the commands that read a run (``status``, ``evaluate``, ``probe``, ``fill``) are in
+``cli_judge.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import typer
 from typer.exceptions import TyperException
 
 from clozax.cli_finetune import finetune
+from clozax.cli_judge import evaluate, fill, probe, status
 from clozax.cli_train import train
 from clozax.train import compile_cache, distributed
 from clozax.train.interrupts import EXIT_CODES, Interrupted
@@ -208,83 +211,8 @@ def audit(
         raise SystemExit(1)
 
 
-@app.command()
-def evaluate(
-    run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
-    mask_seed: Annotated[
-        int | None,
-        typer.Option(help="Also evaluate on a second mask set drawn with this eval seed "
-                     "(corruption transfer, not a new-language test)."),
-    ] = None,
-    failures: Annotated[
-        int, typer.Option(help="Lowest-probability held-out positions saved to failures.jsonl.")
-    ] = 20,
-    batch_size: Annotated[int, typer.Option(help="Rows per evaluation batch.")] = 64,
-):
-    """Held-out metrics on the run's frozen eval masks vs unigram and random-init baselines."""
-    compile_cache.enable()
-    from rich.console import Console
-
-    from clozax.judge import evaluate as evaluate_lib
-
-    result = evaluate_lib.evaluate_run(run, mask_seed=mask_seed, failures=failures,
-                                       batch_size=batch_size)
-    console = Console()
-    console.print(evaluate_lib.summary_table(result))
-    if result["transfer"]:
-        d = result["transfer"]["difference"]
-        console.print(f"corruption transfer (mask seed {mask_seed} − frozen): accuracy "
-                      f"{d['accuracy']:+.4f}, loss {d['loss']:+.4f}")
-    console.print(f"wrote {run / evaluate_lib.EVAL_FILE} and {run / evaluate_lib.FAILURES_FILE}")
-
-
-@app.command()
-def probe(
-    run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
-    task: Annotated[
-        Path | None,
-        typer.Option(help="JSONL file with text/label/group fields (default: the dataset's "
-                     "document labels)."),
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the group split and the bootstrap.")] = 0,
-):
-    """Linear probe: trained vs random-init encoder vs TF-IDF, split by group, with 95% CIs."""
-    compile_cache.enable()
-    from rich.console import Console
-
-    from clozax.judge import probe as probe_lib
-
-    result = probe_lib.probe_run(run, task=task, seed=seed)
-    console = Console()
-    console.print(probe_lib.summary_table(result))
-    console.print(f"wrote {run / probe_lib.PROBE_FILE}")
-
-
-app.command()(finetune)
-
-
-@app.command()
-def fill(
-    run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
-    text: Annotated[str, typer.Argument(
-        help='Text with one or more of the run\'s mask token, e.g. "a [MASK] b" (or "a <mask> '
-             'b" for a RoBERTa-style tokenizer).')],
-    top_k: Annotated[int, typer.Option(help="Predictions per mask.")] = 5,
-    json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-):
-    """Top-k predictions with probabilities at each [MASK] (the run's mask token) in a text."""
-    compile_cache.enable()
-    import json
-
-    from rich.console import Console
-
-    from clozax.judge import fill as fill_lib
-
-    results = fill_lib.fill(run, text, top_k=top_k)
-    if json_:
-        print(json.dumps(results, ensure_ascii=False, indent=2))
-    else:
-        Console().print(fill_lib.summary_table(results))
+for command in (status, evaluate, probe, finetune, fill):  # in --help's order
+    app.command()(command)
 
 
 @app.command()

@@ -60,6 +60,8 @@ def finetune(
     max_train: Annotated[int | None, Opt(help="Train on a keyed choice of this many "
                                               "examples.")] = None,
     split_seed: Annotated[int, Opt(help="Seed of the carved splits.")] = 0,
+    step: Annotated[int | None, Opt(help="Fine-tune this checkpoint step (default: the "
+                                         "newest) into RUN/finetune/NAME-stepSTEP.")] = None,
     predict: Annotated[Path | None, Opt(help="Instead of fine-tuning: print predictions of "
                                              "RUN/finetune/NAME/model for this file (JSONL).")]
     = None,
@@ -90,7 +92,7 @@ def finetune(
                            max_train_examples=max_train)
     from rich.console import Console
 
-    result = ft.finetune_run(run, spec, protocol)
+    result = ft.finetune_run(run, spec, protocol, step=step)
     console = Console()
     console.print(ft.summary_table(result))
     console.print(f"wrote {run / 'finetune' / result['task']['name'] / ft.RESULT_FILE}")

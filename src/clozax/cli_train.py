@@ -98,6 +98,7 @@ def train(
     if result.final_loss == result.final_loss:  # not NaN: this invocation trained
         summary += f"; final train loss {result.final_loss:.4f}"
     if result.eval:
-        summary += (f"; held-out loss {result.eval['loss']:.4f}, "
-                    f"accuracy {result.eval['accuracy']:.4f}")
+        rows = f" ({result.eval['rows']:,} rows)" if "rows" in result.eval else ""
+        summary += (f"; held-out sample{rows} loss {result.eval['loss']:.4f}, accuracy "
+                    f"{result.eval['accuracy']:.4f} (clozax evaluate: the whole set)")
     print(summary)

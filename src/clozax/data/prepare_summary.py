@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 
 def progress_bars(quiet: bool) -> Progress:
-    """The bars of prepare's phases (on stderr; none when ``quiet``)."""
+    """The bars of prepare's phases with elapsed time and ETA (its totals are known: pieces,
+    shards), on stderr; none when ``quiet``."""
     return Progress(
         TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("docs {task.fields[detail]}"), TimeElapsedColumn(),
+        TextColumn("docs {task.fields[detail]}"), TimeElapsedColumn(), TextColumn("eta"),
+        TimeRemainingColumn(),
         console=Console(stderr=True), disable=quiet, transient=False,
     )
 

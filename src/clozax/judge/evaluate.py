@@ -18,6 +18,7 @@ from clozax.core import files
 from clozax.core.pipeline import init_params, make_masker
 from clozax.core.vocab import Vocabulary
 from clozax.data.tokenizer import load_tokenizer
+from clozax.judge import history
 from clozax.judge.failures import failure_cases
 from clozax.judge.slots import make_slot_fn, slot_outputs, sums_from_slots
 from clozax.train.heldout import (
@@ -77,9 +78,10 @@ def _delta(a: dict, b: dict) -> dict:
 
 
 def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int = 20,
-                 batch_size: int = 64) -> dict:
-    """Evaluate a run's latest checkpoint on its frozen eval-mask set; write ``eval.json`` and
-    ``failures.jsonl`` in the run directory and return the ``eval.json`` content.
+                 batch_size: int = 64, step: int | None = None) -> dict:
+    """Evaluate a run's checkpoint ``step`` (default: the latest) on its frozen eval-mask set;
+    record it in ``history/eval-{step}.json`` and, unless a later step's is there, as
+    ``eval.json`` with ``failures.jsonl`` (``judge/history.py``); return the result.
 
     Baselines on the same selected positions: a unigram predictor (train-split frequencies) and
     the same architecture at random initialisation (the run's init key). ``mask_seed`` also
@@ -89,7 +91,7 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
     if failures < 0 or batch_size < 1:
         raise ValueError(f"failures={failures} must be >= 0 and batch_size={batch_size} >= 1")
     run_dir = Path(run_dir)
-    run = load_run(run_dir)
+    run = load_run(run_dir, step)
     run.require_mlm_head("evaluate")
     dataset = open_run_dataset(run)
     cfg = run.config
@@ -137,9 +139,24 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
     }
     tokenizer = load_tokenizer(run.tokenizer_path)
     cases = failure_cases(tokenizer, split, masks, trained, special_ids, failures)
-    files.write_json(run_dir / EVAL_FILE, result)
-    files.write_jsonl(run_dir / FAILURES_FILE, cases)
+    if history.record(run_dir, "eval", result):  # the newest step scored: its failures too
+        files.write_jsonl(run_dir / FAILURES_FILE, cases)
     return result
+
+
+def evaluate_checkpoints(run_dir: Path, **options) -> list[dict]:
+    """``evaluate_run`` at every committed checkpoint, oldest first (a learning curve)."""
+    from clozax.train.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(Path(run_dir), read_only=True)
+    try:
+        steps = checkpointer.all_steps()
+    finally:
+        checkpointer.close()
+    if not steps:
+        raise ValueError(f"run {run_dir} has no checkpoint yet; train it (or let a save "
+                         "complete) first")
+    return [evaluate_run(run_dir, step=s, **options) for s in steps]
 
 
 def summary_table(result: dict):

@@ -36,12 +36,13 @@ def encode(tokenizer, specials: dict[str, int], text: str, max_positions: int) -
     return ids
 
 
-def fill(run_dir: Path, text: str, top_k: int = 5) -> list[dict]:
-    """For each ``[MASK]`` in ``text`` (in order): its token position and the ``top_k``
-    predictions as ``{"token", "id", "probability"}``, most probable first."""
+def fill(run_dir: Path, text: str, top_k: int = 5, step: int | None = None) -> list[dict]:
+    """For each mask in ``text`` (in order): its token position and the ``top_k`` predictions
+    of checkpoint ``step`` (default: the latest) as ``{"token", "id", "probability"}``, most
+    probable first."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k={top_k!r} must be a positive integer")
-    run = load_run(Path(run_dir))
+    run = load_run(Path(run_dir), step)
     run.require_mlm_head("fill")
     cfg = run.config.model
     if top_k > cfg.vocab_size:

@@ -212,19 +212,21 @@ def _job_name(encoder: str, lr: float, seed: int) -> str:
 
 
 def finetune_run(run_dir: Path, spec: TaskSpec | None = None, protocol: Protocol | None = None,
-                 say=print, progress: bool = True) -> dict:
-    """Run the protocol on ``run_dir``'s newest checkpoint; write and return ``result.json``."""
+                 say=print, progress: bool = True, step: int | None = None) -> dict:
+    """Run the protocol on ``run_dir``'s checkpoint ``step`` (default: the newest) into
+    ``RUN/finetune/TASK`` (``TASK-step{step}`` for a given step); write and return
+    ``result.json``."""
     if jax.process_count() > 1:
         raise ValueError("clozax finetune runs in one process (it uses every device of it); "
                          "launch it without --coordinator")
     spec, protocol = spec or TaskSpec(), protocol or Protocol()
     started = time.perf_counter()
     run_dir = Path(run_dir)
-    run = load_run(run_dir)
+    run = load_run(run_dir, step)
     tokenizer = load_tokenizer(run.tokenizer_path)
     task = cap_train(load_task(spec, run, tokenizer), protocol.max_train_examples,
                      spec.split_seed)
-    out = run_dir / "finetune" / task.name
+    out = run_dir / "finetune" / (task.name if step is None else f"{task.name}-step{step}")
     with locks.hold(out, f"fine-tuning {out}", say=say):
         return _protocol(run, task, protocol, out, say, progress, started)
 

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clozax.core import files
 from clozax.core import model as model_lib
 from clozax.core.pipeline import init_params
 from clozax.data.tokenizer import load_tokenizer
+from clozax.judge import history
 from clozax.train.run_dir import load_run, open_run_dataset
 
 PROBE_FILE = "probe.json"
@@ -266,16 +266,17 @@ def bootstrap_ci(correct: np.ndarray, resamples: np.ndarray) -> list[float]:
 
 
 def probe_run(run_dir: Path, *, task: Path | None = None, seed: int = 0,
-              max_per_class: int = MAX_PER_CLASS) -> dict:
-    """Probe a run's latest checkpoint, its random init and TF-IDF on one task; write
-    ``probe.json`` in the run directory and return its content."""
+              max_per_class: int = MAX_PER_CLASS, step: int | None = None) -> dict:
+    """Probe a run's checkpoint ``step`` (default: the latest), its random init and TF-IDF on
+    one task; record it in ``history/probe-{step}.json`` and, unless a later step's is there,
+    as ``probe.json`` (``judge/history.py``); return it."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
     if max_per_class < MIN_EXAMPLES:
         raise ValueError(f"max_per_class={max_per_class} is below {MIN_EXAMPLES}; raise it")
     started = time.perf_counter()
     run_dir = Path(run_dir)
-    run = load_run(run_dir)
+    run = load_run(run_dir, step)
     tokenizer = load_tokenizer(run.tokenizer_path)
     seq_len = min(int(run.info.get("seq_len", run.config.model.max_positions)),
                   run.config.model.max_positions)
@@ -335,7 +336,7 @@ def probe_run(run_dir: Path, *, task: Path | None = None, seed: int = 0,
                                       "ci95": bootstrap_ci(diff, resamples)},
         "seconds": round(time.perf_counter() - started, 2),
     }
-    files.write_json(run_dir / PROBE_FILE, out)
+    history.record(run_dir, "probe", out)
     return out
 
 

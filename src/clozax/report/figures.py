@@ -128,9 +128,14 @@ def token_label(text: str) -> str:
 
 
 def report_figures(fig_dir: Path, curves: dict, evaluation: dict | None, panel: list[dict] | None,
-             vocab_size: int) -> dict[str, Path]:
+                   vocab_size: int, checkpoints: list[dict] = ()) -> dict[str, Path]:
     """The report's PNGs in ``fig_dir``: loss curves, held-out accuracy, probability panel
-    (each only when its data exists). Returns {"loss"|"accuracy"|"panel": path}."""
+    (each only when its data exists). ``checkpoints``: ``clozax evaluate`` results of each
+    scored checkpoint (``judge/history.py``), drawn beside the in-training sample. Returns
+    {"loss"|"accuracy"|"panel": path}."""
+    whole = (np.asarray([r["tokens_seen"] for r in checkpoints], float),
+             {k: np.asarray([r["trained"][k] for r in checkpoints]) for k in ("loss",
+                                                                               "accuracy")})
     fig_dir.mkdir(exist_ok=True)
     out = {}
     if curves["train_tokens"].size or curves["eval_tokens"].size:
@@ -138,7 +143,9 @@ def report_figures(fig_dir: Path, curves: dict, evaluation: dict | None, panel: 
         if curves["train_tokens"].size:
             series["training loss (batch)"] = (curves["train_tokens"], curves["train_loss"])
         if curves["eval_tokens"].size:
-            series["held-out loss (frozen masks)"] = (curves["eval_tokens"], curves["eval_loss"])
+            series["held-out sample, in training"] = (curves["eval_tokens"], curves["eval_loss"])
+        if len(checkpoints) > 1:
+            series["held-out, whole set (clozax evaluate)"] = (whole[0], whole[1]["loss"])
         hlines = {f"uniform ln V = {math.log(vocab_size):.2f}": math.log(vocab_size)}
         if evaluation is not None:
             hlines[f"unigram held-out = {evaluation['unigram']['loss']:.2f}"] = \
@@ -153,10 +160,12 @@ def report_figures(fig_dir: Path, curves: dict, evaluation: dict | None, panel: 
                       evaluation["unigram"]["accuracy"],
                       f"random init = {pct(evaluation['random_init']['accuracy'])}":
                       evaluation["random_init"]["accuracy"]}
+        series = {"held-out sample, in training": (curves["eval_tokens"],
+                                                   curves["eval_accuracy"])}
+        if len(checkpoints) > 1:
+            series["held-out, whole set (clozax evaluate)"] = (whole[0], whole[1]["accuracy"])
         out["accuracy"] = line_plot(
-            fig_dir / "accuracy.png",
-            {"trained (held-out, frozen masks)": (curves["eval_tokens"],
-                                                  curves["eval_accuracy"])},
+            fig_dir / "accuracy.png", series,
             xlabel="tokens seen", ylabel="masked-token accuracy (top-1)",
             title="Held-out accuracy", hlines=hlines)
     if panel:

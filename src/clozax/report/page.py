@@ -24,6 +24,7 @@ from clozax import __version__
 from clozax.core import files
 from clozax.core import model as model_lib
 from clozax.core.files import read_json
+from clozax.judge import history
 from clozax.judge.panel import probability_panel
 from clozax.report import sections
 from clozax.report.figures import report_figures
@@ -74,7 +75,8 @@ def write_report(run_dir: Path) -> Path:
         panel = probability_panel(run)
     except (ValueError, FileNotFoundError) as err:
         panel_error = str(err).splitlines()[0] if str(err) else type(err).__name__
-    figs = report_figures(run_dir / FIGURE_DIR, curves, ev, panel, run_config.model.vocab_size)
+    figs = report_figures(run_dir / FIGURE_DIR, curves, ev, panel, run_config.model.vocab_size,
+                          history.recorded(run_dir, "eval"))
 
     m, t = config["model"], config["train"]
     seq_len = info.get("seq_len", 0)
@@ -88,7 +90,9 @@ def write_report(run_dir: Path) -> Path:
     if "loss" in figs:
         curve_figures.append(_figure(figs["loss"], "loss curves",
                                      "Training loss (per batch, training masks) and held-out "
-                                     "loss (frozen eval masks) against tokens seen."))
+                                     "loss against tokens seen: the in-training sample of the "
+                                     "frozen eval masks, and the whole set at each checkpoint "
+                                     "`clozax evaluate --every-checkpoint` scored."))
     if "accuracy" in figs:
         curve_figures.append(_figure(figs["accuracy"], "held-out accuracy",
                                      "Held-out masked-token accuracy; dashed: the baselines on "

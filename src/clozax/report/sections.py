@@ -44,16 +44,32 @@ def card(key: str, value: str, note: str, command: str | None = None) -> dict:
     return {"key": key, "value": value, "note": note, "command": command}
 
 
+def measured_steps(ev: dict | None, probe: dict | None, audit: dict | None) -> str | None:
+    """A warning when the headline's results come from different checkpoint steps."""
+    steps = {name: r.get("step") for name, r in (("evaluate", ev), ("probe", probe),
+                                                  ("audit", audit))
+             if r is not None and r.get("step") is not None}
+    if len(set(steps.values())) <= 1:
+        return None
+    said = ", ".join(f"{name} at step {step}" for name, step in steps.items())
+    return (f"These results are of different checkpoints ({said}): run them with one --step "
+            "to compare like with like.")
+
+
+def _at(result: dict) -> str:
+    return f" · step {result['step']}" if result.get("step") is not None else ""
+
+
 def headline(ev: dict | None, probe: dict | None, audit: dict | None) -> dict:
     cards = []
     if ev is not None:
         t, u, r = (ev[k]["accuracy"] for k in ("trained", "unigram", "random_init"))
         ratio = f"{t / u:.2g}×" if u > 0 else "∞×"
-        cards.append(card("held-out masked-token accuracy", pct(t),
+        cards.append(card(f"held-out masked-token accuracy{_at(ev)}", pct(t),
                           f"{ratio} the unigram baseline ({pct(u)}); random init {pct(r)}; "
                           f"{ev['trained']['count']:,} positions."))
         tp, up = ev["trained"]["perplexity"], ev["unigram"]["perplexity"]
-        cards.append(card("held-out perplexity", f"{tp:,.0f}",
+        cards.append(card(f"held-out perplexity{_at(ev)}", f"{tp:,.0f}",
                           f"unigram {up:,.0f}, random init "
                           f"{ev['random_init']['perplexity']:,.0f}: lower is better."))
     else:
@@ -66,7 +82,7 @@ def headline(ev: dict | None, probe: dict | None, audit: dict | None) -> dict:
                    "no difference from random init that the CI can resolve")
         if tf["accuracy"] > tr["accuracy"]:
             verdict += "; bag-of-words TF-IDF is still stronger at this scale"
-        cards.append(card("probe accuracy (unseen modules)", pct(tr["accuracy"]),
+        cards.append(card(f"probe accuracy (unseen modules){_at(probe)}", pct(tr["accuracy"]),
                           f"95 % CI {ci(tr['ci95'])}; random init {pct(ri['accuracy'])} "
                           f"{ci(ri['ci95'])}; TF-IDF {pct(tf['accuracy'])}. {verdict}."))
     else:
@@ -74,7 +90,7 @@ def headline(ev: dict | None, probe: dict | None, audit: dict | None) -> dict:
     if audit is not None:
         passed, total, skipped = audit_counts(audit)
         skip_note = f" {skipped} skipped (see table)." if skipped else ""
-        cards.append(card("objective audit", f"{passed}/{total} PASS",
+        cards.append(card(f"objective audit{_at(audit)}", f"{passed}/{total} PASS",
                           ("no leak, exact gradients, token-weighted accumulation, disjoint "
                            "splits." if audit.get("passed") else "at least one check FAILED — "
                            "see the audit table.") + skip_note))
@@ -83,7 +99,8 @@ def headline(ev: dict | None, probe: dict | None, audit: dict | None) -> dict:
     rows = [[c["claim"], badge(c["holds"], None if c["holds"] is None else
                                ("holds" if c["holds"] else "does not hold")), c["detail"]]
             for c in claims(ev, probe, audit)]
-    return {"cards": cards, "claims": Table(["claim", "result", "measured"], rows)}
+    return {"cards": cards, "claims": Table(["claim", "result", "measured"], rows),
+            "mixed_steps": measured_steps(ev, probe, audit)}
 
 
 def evaluation(ev: dict, current_step: int | None) -> dict:

@@ -41,13 +41,12 @@ import orbax.checkpoint as ocp
 
 from clozax.core import files
 from clozax.train import distributed
+from clozax.train.layout import CHECKPOINT_DIR, DIGEST_DIR
 
 # orbax logs every save through absl, and a failing background write as a traceback: the one
 # CheckpointError line is what the user sees.
 logging.getLogger("absl").setLevel(logging.CRITICAL)
 
-CHECKPOINT_DIR = "checkpoints"
-DIGEST_DIR = "checkpoint_digests"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 UNVERIFIED = "unverified"  # committed, no digest recorded yet
 

@@ -169,6 +169,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     prefetch: int = 2
+    # Peak TFLOP/s per device for the log's MFU; None: the device's data-sheet figure when
+    # clozax knows its kind (``core/flops.py``), else no MFU (every CPU).
+    peak_tflops: float | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "microbatches", "eval_every", "save_every",
@@ -186,6 +189,9 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 check_int(f"train.{name}", getattr(self, name), 1)
         check_bool("train.fsdp", self.fsdp)
+        if self.peak_tflops is not None:
+            check_real("train.peak_tflops", self.peak_tflops, 0.0, math.inf, low_open=True,
+                       high_open=True)
         check_int("train.prefetch", self.prefetch, 0)
         if not isinstance(self.extended_from, tuple):  # JSON gives a list
             object.__setattr__(self, "extended_from", tuple(self.extended_from))
@@ -240,7 +246,7 @@ SPEED_ONLY = {
     "train.microbatches", "train.devices", "train.fsdp", "train.keep_checkpoints",
     "train.log_every", "train.prefetch", "train.save_every", "train.eval_every",
     "train.minutes", "train.save_every_minutes", "model.attention", "model.unroll",
-    "model.remat",
+    "model.remat", "train.peak_tflops",
 }
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clozax.core import files
+from clozax.core import files, flops
 from clozax.core import model as model_lib
 from clozax.core.optim import make_optimizer
 from clozax.core.pipeline import (
@@ -49,7 +49,7 @@ from clozax.train.mesh import (
     process_rows,
     state_shardings,
 )
-from clozax.train.observe import TrainLog
+from clozax.train.observe import Pace, TrainLog
 from clozax.train.run_dir import (
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -259,11 +259,14 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             return TrainResult(run_dir, start, math.nan, evaluate(state.params, eval_masks,
                                                                   sample), state)
     n_params = model_lib.param_count(params)
+    peak, peak_source = flops.peak_flops(jax.devices()[0].device_kind,
+                                         config.model.compute_dtype, n_devices,
+                                         config.train.peak_tflops)
     log.header(
         devices=n_devices, platform=jax.devices()[0].platform, dtype=config.model.compute_dtype,
         params=n_params, batch_tokens=config.train.batch_size * seq_len, steps=config.train.steps,
         start=start, microbatches=config.train.microbatches, fsdp=config.train.fsdp,
-        processes=jax.process_count(),
+        processes=jax.process_count(), peak=peak_source,
     )
 
     # --- loop
@@ -272,8 +275,10 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
     revisions = dict(t.budget_revisions)
     prefetch = Prefetcher(device_batch, start, end, depth=t.prefetch)
     tokens_per_step = t.batch_size * seq_len
-    last_eval, loss, pending = None, math.nan, []
-    t_last, steps_since, last_save = time.perf_counter(), 0, time.perf_counter()
+    pace = Pace(tokens_per_step, flops.model_flops_per_token(config.model, seq_len), peak,
+                started, end)
+    eval_rows = eval_masks.rows.size if sample is None else len(sample)
+    last_eval, loss, pending, last_save = None, math.nan, [], time.perf_counter()
     try:
         log.start(total=t.steps, completed=start)
         for i, batch in prefetch:
@@ -287,7 +292,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 jax.block_until_ready(metrics)
                 log.info(f"compiled and ran the first step in "
                          f"{time.perf_counter() - started:.1f} s since start")
-                t_last = time.perf_counter()
+                pace.begin(step, time.perf_counter(), prefetch.wait_seconds)
                 if budget is not None:
                     budget.mark(step)
             if step in revisions:  # a recorded budget revision: the same step, the same length
@@ -307,7 +312,6 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             now = time.perf_counter()
             _check_finite(pending, fetched, checkpointer)
             loss = float(fetched[-1]["loss"])
-            steps_since += len(pending)
             pending = []
             record = None
             if due_log:
@@ -316,19 +320,18 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                     "step": step, "tokens": step * tokens_per_step, "loss": loss,
                     "lr": float(m["lr"]), "selected": int(m["selected"]),
                     "grad_norm": float(m["grad_norm"]),
-                    "tokens_per_s": steps_since * tokens_per_step / max(now - t_last, 1e-9),
                     "data_wait_s": round(prefetch.wait_seconds, 4),
+                    **pace.fields(step, now, prefetch.wait_seconds),
                 }
-                t_last, steps_since = now, 0
             if due_eval:
                 t_eval = time.perf_counter()
-                last_eval = evaluate(state.params, eval_masks, sample)
+                last_eval = {**evaluate(state.params, eval_masks, sample), "rows": eval_rows}
                 record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
-                record["eval"] = last_eval
+                record["eval"] = last_eval  # on a sample of the frozen set (its rows)
                 record["eval_seconds"] = round(time.perf_counter() - t_eval, 3)
                 if budget is not None:
                     budget.spent_outside(time.perf_counter() - t_eval)
-                t_last += time.perf_counter() - t_eval  # tokens/s counts training time only
+                pace.exclude(time.perf_counter() - t_eval)  # tokens/s: training time only
             if due_save:  # started now, written in the background while training goes on
                 t_save = time.perf_counter()
                 checkpointer.save(step, state, {"config": config.to_dict()})
@@ -337,7 +340,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 last_save = time.perf_counter()
                 if budget is not None:
                     budget.spent_outside(last_save - t_save)
-                t_last += last_save - t_save
+                pace.exclude(last_save - t_save)
                 record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
                 record["checkpoint_seconds"] = round(last_save - t_save, 3)
             if record is not None:
@@ -354,6 +357,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                         files.write_json(run_dir / CONFIG_FILE, config.to_dict(), sort_keys=True)
                     end = revised if stop_after is None else min(revised, stop_after)
                     prefetch.stop_at(end)
+                    pace.end = end
                     log.retotal(revised)
                     log.info(f"budget: re-estimated at step {step}; the run now ends at step "
                              f"{revised} (recorded in config.json)")

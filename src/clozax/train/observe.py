@@ -10,8 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from clozax.core import files
-
-METRICS_FILE = "metrics.jsonl"
+from clozax.train.layout import METRICS_FILE
 
 
 def _summary_writer():
@@ -42,6 +41,54 @@ def _step_of(line: str) -> int | None:
         return None
 
 
+def clock(seconds: float) -> str:
+    """``1:02:03`` / ``2:03``: a duration for a log line."""
+    seconds = max(int(round(seconds)), 0)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Pace:
+    """Throughput and time of the log lines, measured from the end of this process's first
+    step (its compile is not throughput): tokens/s over the steps since the last line (time
+    spent evaluating and saving excluded), MFU against ``peak`` FLOP/s (None: unknown), the
+    share of that time the step waited for data, elapsed wall time since the command started,
+    and the ETA at the wall seconds per step so far (evaluations and saves included)."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None,
+                 started: float, end: int):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.started, self.end = peak, started, end
+        self.first: tuple[int, float] | None = None  # (step, time) when measuring began
+        self.last: tuple[int, float, float] | None = None  # (step, time, waited) at last line
+
+    def begin(self, step: int, now: float, waited: float) -> None:
+        """The first step of this process finished (compiled and ran) at ``now``."""
+        self.first, self.last = (step, now), (step, now, waited)
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` of the interval were spent evaluating or saving, not training."""
+        if self.last is not None:
+            step, at, waited = self.last
+            self.last = (step, at + seconds, waited)
+
+    def fields(self, step: int, now: float, waited: float) -> dict:
+        out = {"elapsed_s": round(now - self.started, 3)}
+        if self.last is None or step <= self.last[0]:
+            return out  # only the compiling step so far: no rate to give
+        last_step, at, before = self.last
+        seconds = max(now - at, 1e-9)
+        rate = (step - last_step) * self.tokens_per_step / seconds
+        out["tokens_per_s"] = rate
+        out["data_wait_share"] = round(min(max((waited - before) / seconds, 0.0), 1.0), 4)
+        if self.peak is not None:
+            out["mfu"] = round(rate * self.flops_per_token / self.peak, 5)
+        first_step, first_at = self.first
+        out["eta_s"] = round((now - first_at) / (step - first_step) * (self.end - step), 1)
+        self.last = (step, now, waited)
+        return out
+
+
 class TrainLog:
     """What a run reports. Only one process of a multi-process job reports (``enabled``)."""
 
@@ -59,7 +106,7 @@ class TrainLog:
             self.console.print(message)
 
     def header(self, *, devices, platform, dtype, params, batch_tokens, steps, start,
-               microbatches, fsdp=False, processes=1) -> None:
+               microbatches, fsdp=False, processes=1, peak: str = "") -> None:
         if not self.enabled:
             return
         placement = "sharded (fsdp)" if fsdp and devices > 1 else "replicated"
@@ -68,6 +115,7 @@ class TrainLog:
             + (f" in {processes} processes" if processes > 1 else "") + f", compute {dtype}, "
             f"{params / 1e6:.2f}M parameters {placement}, effective batch {batch_tokens} tokens "
             f"({microbatches} microbatch(es)), steps {start}->{steps}"
+            + (f"; {peak}" if peak else "")
         )
 
     def start(self, total: int, completed: int) -> None:
@@ -111,24 +159,22 @@ class TrainLog:
         self._last_record = record
         if self._tb is not None:
             step = record["step"]
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_wait_share"):
                 if key in record:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
             for key, value in (record.get("eval") or {}).items():
-                if isinstance(value, (int, float)):
+                if isinstance(value, (int, float)) and key != "rows":
                     self._tb.add_scalar(f"eval/{key}", value, step)
         if "eval" in record:
             ev = record["eval"]
             self.console.print(
-                f"step {record['step']}: train loss {record['loss']:.4f} | held-out loss "
+                f"step {record['step']}: train loss {record['loss']:.4f} | held-out sample "
+                f"({ev['rows']:,} rows) loss "
                 f"{ev['loss']:.4f} acc {ev['accuracy']:.4f} top5 {ev['top5_accuracy']:.4f} "
                 f"ppl {ev['perplexity']:.1f} ({ev['count']} positions)"
             )
         elif self.progress is not None and self.progress.disable and "lr" in record:
-            self.console.print(
-                f"step {record['step']}: loss {record['loss']:.4f} "
-                f"lr {record.get('lr', 0):.2e} {record.get('tokens_per_s', 0):.0f} tok/s"
-            )
+            self.console.print(step_line(record, self.progress.tasks[0].total))
 
     def advance(self, step: int, loss: float | None = None) -> None:
         """Move the bar to ``step``; ``loss`` when one was read (at sync points only)."""
@@ -149,3 +195,18 @@ class TrainLog:
             self.progress.stop()
         if self._tb is not None:
             self._tb.close()
+
+
+def step_line(record: dict, total: int) -> str:
+    """One log line off a terminal (SLURM, nohup): where the run is and how fast it goes."""
+    parts = [f"step {record['step']}/{total}: loss {record['loss']:.4f} lr {record['lr']:.2e}"]
+    if "tokens_per_s" in record:
+        rate = f"{record['tokens_per_s']:,.0f} tok/s"
+        if "mfu" in record:
+            rate += f" mfu {100 * record['mfu']:.1f}%"
+        parts.append(f"{rate} data wait {100 * record['data_wait_share']:.0f}%")
+    timing = f"elapsed {clock(record['elapsed_s'])}"
+    if "eta_s" in record:
+        timing += f" eta {clock(record['eta_s'])}"
+    parts.append(timing)
+    return " | ".join(parts)

@@ -29,10 +29,7 @@ from clozax.data.dataset import Dataset, open_dataset
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train import distributed
-
-CONFIG_FILE = "config.json"
-RUN_FILE = "run.json"
-TOKENIZER_FILE = "tokenizer.json"
+from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
 
 
 @dataclass
