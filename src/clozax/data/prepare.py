@@ -115,6 +115,9 @@ def _prepare(config: PrepareConfig, quiet: bool, console: Console, say) -> dict:
         local, executor = executors(config, len(pieces["pieces"]), say)
         with progress, executor:
             manifest = _build(config, pieces, tmp, progress, seconds, local, executor, say)
+        if isinstance(executor, Dask) and executor.hosts:  # that the cluster did the work
+            say("read and packed on " + ", ".join(f"{host} ({n} tasks)" for host, n in
+                                                  sorted(executor.hosts.items())))
     except WorkerFailed:
         raise  # its message says that the finished part is kept
     except ValueError as e:  # bad input: keep what was finished (nothing, if it came first)
