@@ -271,6 +271,20 @@ def executors(tmp: Path, megabytes: float, extra: list[str], baseline: Path | No
                       f"{best[f'baseline {w}'] / best[f'local {w}']:.2f}x", flush=True)
 
 
+def one_text_file(tmp: Path, name: str, generate, megabytes: float, extra: list[str]) -> None:
+    """Prepare one generated plain-text file by paragraph; its splits, pieces and busy cores."""
+    corpus = tmp / "one.txt"
+    n = generate(corpus, megabytes)
+    print(f"generated {name}: {n:,} paragraphs", flush=True)
+    result = run_prepare(str(corpus), tmp / "ds-text", ["--text-unit", "paragraph", *extra])
+    report(name, corpus.stat().st_size / 1e6, result)
+    for split, s in result["manifest"]["splits"].items():
+        print(f"    {split}: {s['documents']:,} documents, {s['tokens']:,} tokens", flush=True)
+    print(f"    {len(result['manifest']['shards']['train'])} train shards (one per piece), "
+          f"{result['cores_busy']:.2f} cores busy on average", flush=True)
+    corpus.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="*", default=[200.0],
@@ -324,28 +338,10 @@ def main() -> None:
             corpus.unlink()
         if args.shapes is not None:
             shapes(tmp, args.shapes, extra)
-        if args.text is not None:
-            corpus = tmp / "one.txt"
-            n = generate_text(corpus, args.text)
-            print(f"generated {corpus.name}: {n:,} paragraphs", flush=True)
-            result = run_prepare(str(corpus), tmp / "ds-text",
-                                 ["--text-unit", "paragraph", *extra])
-            report("one .txt", corpus.stat().st_size / 1e6, result)
-            for split, s in result["manifest"]["splits"].items():
-                print(f"    {split}: {s['documents']:,} documents, {s['tokens']:,} tokens",
-                      flush=True)
-            corpus.unlink()
-        if args.non_ascii is not None:
-            corpus = tmp / "non-ascii.txt"
-            n = generate_non_ascii(corpus, args.non_ascii)
-            print(f"generated {corpus.name}: {n:,} paragraphs", flush=True)
-            result = run_prepare(str(corpus), tmp / "ds-non-ascii",
-                                 ["--text-unit", "paragraph", *extra])
-            report("non-ASCII", corpus.stat().st_size / 1e6, result)
-            shards = result["manifest"]["shards"]
-            print(f"    {len(shards['train'])} train shards (one per piece), "
-                  f"{result['cores_busy']:.2f} cores busy on average", flush=True)
-            corpus.unlink()
+        for size, name, generate in ((args.text, "one .txt", generate_text),
+                                     (args.non_ascii, "non-ASCII", generate_non_ascii)):
+            if size is not None:
+                one_text_file(tmp, name, generate, size, extra)
         if args.workers_ratio is not None:
             workers_ratio(tmp, args.workers_ratio, extra, args.baseline, args.rounds)
         if args.executors is not None:
