@@ -17,6 +17,14 @@ import pytest
 # never the user's.
 os.environ.setdefault("CLOZAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="clozax-jax-cache-"))
 
+
+def pytest_configure(config):
+    """The in-process trainings, evaluations and probes share that cache too, as every command
+    does: the suite compiles each tiny program once, not once per test."""
+    from clozax.train import compile_cache
+
+    compile_cache.enable()
+
 TINY_OVERRIDES = [
     "train.batch_size=8",
     "train.steps=6",

@@ -40,7 +40,8 @@ def _host_slots(params, model_config, split, masks):
         return model_lib.mlm_logits(params, model_config, model_lib.gather(hidden, positions))
 
     segments = np.asarray(split.segments[masks.rows], np.int32)
-    logits = np.asarray(logits_fn(params, masks.inputs, segments, masks.positions), np.float64)
+    inputs = heldout.corrupted_inputs(np.asarray(split.tokens[masks.rows], np.int32), masks)
+    logits = np.asarray(logits_fn(params, inputs, segments, masks.positions), np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))  # (R, count, vocab)
     targets = np.take_along_axis(np.asarray(split.tokens[masks.rows], np.int64),
@@ -184,11 +185,112 @@ def test_every_checkpoint_and_step_score_those_checkpoints_and_keep_the_newest_o
     top = json.loads((tiny_run_copy / "eval.json").read_text())
     again = ev.evaluate_run(tiny_run_copy, failures=2, batch_size=16, step=3)
     assert again["trained"] == results[0]["trained"]  # the same checkpoint, the same numbers
+    # the random-init numbers, scored once for all checkpoints, are those scored afresh
+    assert results[0]["random_init"] == results[1]["random_init"] == again["random_init"]
     assert json.loads((tiny_run_copy / "eval.json").read_text()) == top  # step 6 stays on top
     assert fill(tiny_run_copy, "the [MASK] of it", top_k=2, step=3) != \
         fill(tiny_run_copy, "the [MASK] of it", top_k=2, step=6)
+    capsys.readouterr()
+    main(["fill", str(tiny_run_copy), "the [MASK] of it", "--top-k", "2", "--json",
+          "--every-checkpoint"])
+    by_step = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in by_step] == [3, 6]
+    assert by_step[0]["masks"] == fill(tiny_run_copy, "the [MASK] of it", top_k=2, step=3)
     with pytest.raises(SystemExit) as exit_info:
         main(["evaluate", str(tiny_run_copy), "--step", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1
     assert "has no checkpoint at step 4; it has [3, 6]" in err[0]
+
+
+def _masker(run, ds):
+    from clozax.core.pipeline import make_masker
+    from clozax.core.vocab import Vocabulary
+
+    return make_masker(run.config.masking, Vocabulary(ds.vocab_size, ds.specials), ds.seq_len)
+
+
+def test_the_frozen_set_is_a_keyed_sample_of_the_whole_heldout_split_stored_as_slots(tiny_run):
+    run = load_run(tiny_run)
+    ds = open_dataset(run.info["dataset"])
+    masks, meta = heldout.load_eval_masks(tiny_run)
+    seed, n = run.config.train.eval_seed, ds.heldout.rows
+    assert meta["rows"] == masks.rows.size == 32 < meta["heldout_rows"] == n
+    assert np.array_equal(masks.rows, heldout.sample_rows(n, 32, seed))
+    assert masks.rows.max() >= n // 2, "spread over the split, not its first rows"
+    assert np.array_equal(np.sort(masks.rows), masks.rows) and np.unique(masks.rows).size == 32
+    assert not np.array_equal(heldout.sample_rows(n, 32, seed + 1), masks.rows)
+    assert np.array_equal(heldout.sample_rows(20, 32, seed), np.arange(20))
+    assert np.array_equal(heldout.sample_rows(20, None, seed), np.arange(20))
+    # The stored slots give back exactly the masker's corrupted rows (chunk 0: fold_in(key, 0)).
+    tokens = np.asarray(ds.heldout.tokens[masks.rows], np.int32)
+    batch = {"tokens": tokens, "segments": np.asarray(ds.heldout.segments[masks.rows], np.int32),
+             "word_starts": np.asarray(ds.heldout.word_starts[masks.rows], bool)}
+    masked, _ = _masker(run, ds)(jax.random.fold_in(jax.random.key(seed), 0), batch)
+    assert np.array_equal(heldout.corrupted_inputs(tokens, masks), np.asarray(masked.inputs))
+    assert "inputs" not in np.load(tiny_run / heldout.EVAL_MASKS_FILE).files
+
+
+def test_full_scores_every_heldout_row_streamed_and_equals_the_dense_computation(evaluated):
+    run_dir, frozen = evaluated
+    before = (run_dir / ev.EVAL_FILE).read_text()
+    result = ev.evaluate_run(run_dir, full=True, failures=5, batch_size=16)
+    run = load_run(run_dir)
+    ds = open_dataset(run.info["dataset"])
+    dense = heldout.build_eval_masks(ds.heldout, _masker(run, ds), run.config.train.eval_seed,
+                                     None)  # every held-out row, in memory
+    assert result["set"] == "full" and result["schedule"]["rows"] == ds.heldout.rows
+    assert result["eval_masks_sha256"] == heldout.eval_masks_sha256(dense)
+    nll, rank = _host_slots(run.params, run.config.model, ds.heldout, dense)
+    _check_against_host(result["trained"], nll, rank, dense)
+    assert result["trained"]["count"] > frozen["trained"]["count"]
+    assert json.loads((run_dir / ev.FULL_FILE).read_text()) == result
+    assert (run_dir / ev.EVAL_FILE).read_text() == before, "the frozen sample's result stays"
+    cases = [json.loads(line) for line in
+             (run_dir / ev.FULL_FAILURES_FILE).read_text().splitlines()]
+    assert [c["target_probability"] for c in cases] == pytest.approx(
+        np.exp(-np.sort(nll[dense.valid])[::-1][:5]), rel=1e-4)
+
+
+def test_full_evaluation_memory_stays_bounded_as_the_heldout_split_grows(tiny_run):
+    """Host memory (tracemalloc: every NumPy array) of scoring 1,024 and 8,192 held-out rows:
+    one chunk's worth, under 4 MiB, and the same for both (a dense set would hold 8x)."""
+    import tracemalloc
+
+    from clozax.data.dataset import Split
+
+    run = load_run(tiny_run)
+    ds = open_dataset(run.info["dataset"])
+    reps = -(-8192 // ds.heldout.rows)
+    big = Split(*(np.tile(np.asarray(a), (reps, 1))[:8192] for a in
+                  (ds.heldout.tokens, ds.heldout.segments, ds.heldout.word_starts)))
+    masker, unigram = _masker(run, ds), np.log(np.full(ds.vocab_size, 1.0 / ds.vocab_size))
+
+    def peak(rows: int) -> int:
+        tracemalloc.start()
+        try:
+            chunks = heldout.iter_chunks(big, masker, 7, np.arange(rows))
+            out = ev.score_chunks(chunks, run, run.config.model, big, unigram=unigram,
+                                  failures=20, batch_size=64)
+            return tracemalloc.get_traced_memory()[1], out
+        finally:
+            tracemalloc.stop()
+
+    peak(256)  # compiles outside the measurement
+    (small, a), (large, b) = peak(1024), peak(8192)
+    assert b["rows"] == 8192 and b["selected"] > 7 * a["selected"]
+    print(f"traced peak: 1,024 rows {small / 2**20:.2f} MiB, 8,192 rows {large / 2**20:.2f} MiB")
+    assert large < 4 * 2**20, f"{large / 2**20:.1f} MiB"
+    assert large < 1.3 * small + 2**18, f"{small / 2**20:.2f} -> {large / 2**20:.2f} MiB"
+
+
+def test_set_none_turns_an_optional_setting_off_and_the_default_sample_is_4096_rows():
+    from clozax.train import config as config_lib
+
+    assert config_lib.resolve(preset="tiny").train.eval_rows == 4096
+    every = config_lib.resolve(preset="tiny", overrides=["train.eval_rows=none"])
+    assert every.train.eval_rows is None
+    assert config_lib.resolve(preset="tiny", overrides=["train.eval_sample=null"]
+                              ).train.eval_sample is None
+    with pytest.raises(ValueError, match="train.steps=None is not a whole number"):
+        config_lib.resolve(preset="tiny", overrides=["train.steps=none"])

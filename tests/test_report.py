@@ -160,8 +160,8 @@ def test_panel_positions_are_fixed_evenly_spaced_and_prefer_mask_slots():
     valid[0] = False  # a row without a selected position is skipped
     kinds = np.full((rows, count), 3, np.int8)  # keep
     kinds[:, 2] = 1  # mask
-    masks = EvalMasks(np.arange(rows), np.zeros((rows, 8), np.int32),
-                      np.tile(np.arange(count), (rows, 1)), valid, kinds)
+    masks = EvalMasks(np.arange(rows), np.tile(np.arange(count), (rows, 1)), valid, kinds,
+                      np.zeros((rows, count), np.int32))
     chosen = panel.panel_positions(masks, 5)
     assert chosen == panel.panel_positions(masks, 5)
     assert [i for i, _ in chosen] == [5, 10, 14, 19]  # linspace(0, 19, 5) minus the empty row 0
@@ -233,7 +233,7 @@ def test_stale_evaluation_is_flagged(full_report, tmp_path):
 
 def test_cards_name_their_step_mixed_steps_are_flagged_and_checkpoints_make_a_curve(
         full_report, tmp_path, monkeypatch):
-    from clozax.judge.evaluate import evaluate_checkpoints
+    from clozax.judge.evaluate import evaluate_checkpoints, evaluate_run
     from clozax.report import figures
 
     run, page, _ = full_report
@@ -256,6 +256,21 @@ def test_cards_name_their_step_mixed_steps_are_flagged_and_checkpoints_make_a_cu
             "audit at step 6)") in page
     x, y = drawn["accuracy.png"]["held-out, whole set (clozax evaluate)"]
     assert list(x) == [3 * 8 * 64, 6 * 8 * 64] and len(y) == 2  # tokens seen at 3 and 6
+    # --step 3: that checkpoint's page, from its own results (its failures, its --full too).
+    full = evaluate_run(copy, step=3, full=True, failures=1)
+    at3 = report_lib.write_report(copy, step=3)
+    assert at3.name == "report-step3.html" and (copy / "report-step3").is_dir()
+    old = html.unescape(at3.read_text())
+    three = json.loads((copy / "history" / "eval-3.json").read_text())
+    assert "held-out masked-token accuracy · step 3" in old and "step 3 of 6" in old
+    assert f"{100 * three['trained']['accuracy']:.1f} %" in old
+    assert (copy / "history" / "failures-3.jsonl").is_file()
+    assert (f"Every held-out row (clozax evaluate --full, step 3): "
+            f"{full['schedule']['rows']:,} rows, {full['trained']['count']:,} positions"
+            ) in re.sub("<[^>]+>", "", old)
+    assert "evaluate --full" not in html.unescape((copy / "report.html").read_text())
+    with pytest.raises(ValueError, match="no committed checkpoint at step 4; it has 3, 6"):
+        report_lib.write_report(copy, step=4)
 
 
 def test_report_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path, capsys):

@@ -106,6 +106,8 @@ for name, n, fsdp in (("1", 1, "false"), ("4", 4, "false"), ("4fsdp", 4, "true")
 cfg = C.resolve(preset="tiny", overrides=[*base, "train.save_every=1", "train.devices=4",
                                           "train.fsdp=true"])
 T.train(data, f"{out}/d4fsdp-stopped", cfg, stop_after=2)
+from clozax.judge.evaluate import evaluate_run
+res["full"] = evaluate_run(f"{out}/d4", full=True, failures=3, batch_size=16)["trained"]
 print(json.dumps({"devices": jax.device_count(), **res}))
 """
 
@@ -143,6 +145,23 @@ def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp
         np.asarray(jax.tree.leaves(here)[0]).ravel(), out["4fsdp"]["params"][0], rtol=0, atol=0
     )
     assert jax.tree.leaves(here)[0].sharding.num_devices == 1
+    # The frozen held-out sample: the same keyed rows and masks on 1 and 4 devices, and here.
+    shas = {json.loads((tmp_path / f"d{name}" / "eval_masks.json").read_text())["sha256"]
+            for name in ("1", "4", "4fsdp")}
+    ds = open_dataset(stdlib_data)
+    masker = pipeline.make_masker(config_lib.resolve(preset="tiny").masking,
+                                  Vocabulary(ds.vocab_size, ds.specials), ds.seq_len)
+    here_set = eval_lib.build_eval_masks(ds.heldout, masker, 1234, 16)
+    assert shas == {eval_lib.eval_masks_sha256(here_set)}
+    assert here_set.rows.size == 16 and here_set.rows[-1] > 16  # a sample, not the first rows
+    # evaluate --full with its batches split over 4 devices: the sums of one device.
+    from clozax.judge.evaluate import evaluate_run
+
+    one_device = evaluate_run(tmp_path / "d4", full=True, failures=3, batch_size=16)["trained"]
+    assert out["full"]["count"] == one_device["count"] > 0
+    # (a target's rank may flip at a float tie between layouts: at most one position)
+    assert abs(out["full"]["accuracy"] - one_device["accuracy"]) <= 1 / one_device["count"]
+    assert out["full"]["loss"] == pytest.approx(one_device["loss"], rel=1e-6)
     # A sharded 4-device run stopped at step 2, resumed here on one device, replicated: the
     # uninterrupted 1-device run.
     cfg = config_lib.resolve(preset="tiny", overrides=[*DEVICE_RUN, "train.devices=1"])

@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
+from clozax import cli_judge
 from clozax.cli_finetune import finetune
 from clozax.cli_judge import evaluate, fill, probe, status
 from clozax.cli_train import train
@@ -218,12 +219,25 @@ for command in (status, evaluate, probe, finetune, fill):  # in --help's order
 @app.command()
 def report(
     run: Annotated[Path, typer.Argument(help="Run directory (clozax train).")],
+    step: cli_judge.Step = None,
+    every_checkpoint: Annotated[bool, typer.Option(
+        help="First evaluate every committed checkpoint not yet scored, so the curves over "
+             "checkpoints cover them all.")] = False,
 ):
-    """Write RUN/report.html (self-contained) and its figures in RUN/report/."""
+    """Write RUN/report.html (self-contained) and its figures in RUN/report/; with --step N,
+    RUN/report-stepN.html from that checkpoint's results."""
     compile_cache.enable()
     from clozax.report import page as report_lib
 
-    print(report_lib.write_report(run))
+    if every_checkpoint:
+        from clozax.judge import evaluate as evaluate_lib
+        from clozax.judge import history
+
+        for s in cli_judge.steps_of(run, step, every_checkpoint):
+            if history.at_step(run, "eval", s) is None:
+                t = evaluate_lib.evaluate_run(run, step=s)["trained"]
+                print(f"step {s}: held-out loss {t['loss']:.4f}, accuracy {t['accuracy']:.4f}")
+    print(report_lib.write_report(run, step=step))
 
 
 @app.command()
@@ -249,8 +263,10 @@ def demo(
 
 def _fail(message: str, code: int = 2, label: str = "error") -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False).print(f"[bold red]{label}:[/] {message}",
+    # escaped: a message's own brackets ("[MASK]", "clozax[wandb]") are text, not markup
+    Console(stderr=True, highlight=False).print(f"[bold red]{label}:[/] {escape(message)}",
                                                 soft_wrap=True)
     raise SystemExit(code)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,14 +211,19 @@ def read_corpus(corpus: str, fields: FieldNames, strict: bool,
             for record in read_piece(the_plan, Piece.from_json(row), fields, layout, strict))
 
 
-def piece_cost(the_plan: dict, i: int) -> int:
-    """Bytes piece ``i`` reads, about: its files' sizes, the byte range it reads of a cut
-    file, or for parquet its share of the file's pieces."""
-    piece = Piece.from_json(the_plan["pieces"][i])
-    sizes = [row[2] for row in the_plan["files"][piece.first : piece.stop]]
-    if piece.span.whole:
-        return sum(sizes)
-    if file_kind(Path(the_plan["files"][piece.first][0]))[0] != "parquet":
-        end = sizes[0] if piece.span.end is None else piece.span.end
-        return end - piece.span.start
-    return sizes[0] // sum(Piece.from_json(p).first == piece.first for p in the_plan["pieces"])
+def piece_costs(the_plan: dict) -> list[int]:
+    """Bytes each piece reads, about: its files' sizes, the byte range it reads of a cut
+    file, or for parquet its share of the file's pieces (one pass over the plan)."""
+    pieces = [Piece.from_json(p) for p in the_plan["pieces"]]
+    per_file = Counter(p.first for p in pieces)
+    costs = []
+    for piece in pieces:
+        sizes = [row[2] for row in the_plan["files"][piece.first : piece.stop]]
+        if piece.span.whole:
+            costs.append(sum(sizes))
+        elif file_kind(Path(the_plan["files"][piece.first][0]))[0] != "parquet":
+            end = sizes[0] if piece.span.end is None else piece.span.end
+            costs.append(end - piece.span.start)
+        else:
+            costs.append(sizes[0] // per_file[piece.first])
+    return costs

@@ -57,7 +57,7 @@ from clozax.data.dataset import (
 from clozax.data.executors import Dask, Local, Task, WorkerFailed
 from clozax.data.pack import result_path
 from clozax.data.packing import PACKER_VERSION
-from clozax.data.pieces import piece_cost, plan
+from clozax.data.pieces import piece_costs, plan
 from clozax.data.prepare_config import PrepareConfig, executors
 from clozax.data.prepare_summary import print_summary, progress_bars
 from clozax.data.readers import Layout
@@ -335,9 +335,9 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
         merge_ready()
 
     merge_ready()
-    todo = [i for i in range(n) if not read[i]]
-    executor.run([Task("read", {"tmp": str(tmp), "piece": i}, piece_cost(the_plan, i))
-                  for i in todo], done=finished)
+    todo, costs = [i for i in range(n) if not read[i]], piece_costs(the_plan)
+    executor.run([Task("read", {"tmp": str(tmp), "piece": i}, costs[i]) for i in todo],
+                 done=finished)
     groups = dedup.close()
     accounting = dedup.accounting
     accounting.check()

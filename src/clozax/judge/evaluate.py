@@ -5,11 +5,14 @@ training logs). ``evaluate_run`` puts the trained checkpoint next to two baselin
 selected positions — a unigram predictor (train-split frequencies, add-one smoothed over
 non-special ids) and the same architecture at random initialisation (the run's init key) — and
 saves the positions with the lowest target probability as failure cases
-(``clozax.judge.failures``).
+(``clozax.judge.failures``). With ``full`` it scores every held-out row instead, its masks drawn
+chunk by chunk by the same rule: every array is one chunk's, the sums float64 numerators and
+counts, the failures a bounded top-k — memory does not grow with the held-out split.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -19,20 +22,27 @@ from clozax.core.pipeline import init_params, make_masker
 from clozax.core.vocab import Vocabulary
 from clozax.data.tokenizer import load_tokenizer
 from clozax.judge import history
-from clozax.judge.failures import failure_cases
+from clozax.judge.failures import WorstSlots
 from clozax.judge.slots import make_slot_fn, slot_outputs, sums_from_slots
 from clozax.train.heldout import (
+    EVAL_MASK_CHUNK,
+    SCHEDULE,
     EvalMasks,
     EvalSums,
-    build_eval_masks,
+    chunk_sha256,
     ensure_eval_masks,
-    eval_masks_sha256,
+    evaluate_masks,
+    iter_chunks,
+    make_eval_fn,
     mask_arrays,
 )
+from clozax.train.mesh import evaluation_placement
 from clozax.train.run_dir import load_run, open_run_dataset, warn
 
 EVAL_FILE = "eval.json"
 FAILURES_FILE = "failures.jsonl"
+FULL_FILE = "eval_full.json"  # ``--full``: every held-out row
+FULL_FAILURES_FILE = "failures_full.jsonl"
 
 
 def unigram_logprobs(counts: np.ndarray, special_ids) -> np.ndarray:
@@ -57,18 +67,55 @@ def unigram_sums(logprobs: np.ndarray, split, masks: EvalMasks) -> EvalSums:
     return sums_from_slots(-target_logp, rank, masks)
 
 
-def schedule_description(config, meta: dict, masks: EvalMasks) -> dict:
+def added(a: EvalSums | None, b: EvalSums) -> EvalSums:
+    """Two sets of sums as one (numerators and counts add)."""
+    if a is None:
+        return b
+    return EvalSums(*(x + y for x, y in zip(vars(a).values(), vars(b).values(), strict=True)))
+
+
+def score_chunks(chunks, run, model_config, split, *, unigram: np.ndarray, failures: int,
+                 batch_size: int, progress=None, random_init: bool = True) -> dict:
+    """Stream an eval-mask set's chunks through the trained model (per-slot outputs: its sums
+    and the worst slots), the random-init model (sums only) and the unigram predictor; hash it
+    as it goes. Holds one chunk at a time; batches are split over this process's devices."""
+    slot_fn, eval_fn = make_slot_fn(model_config), make_eval_fn(model_config)
+    put, replicate, batch_size = evaluation_placement(batch_size)
+    params = replicate(run.params)
+    random_params = replicate(init_params(model_config, run.config.train.seed))
+    sums = {"trained": None, "random_init": None, "unigram": None}
+    worst, h = WorstSlots(failures), hashlib.sha256()
+    rows = selected = 0
+    for masks in chunks:
+        out = slot_outputs(params, model_config, split, masks, batch_size, slot_fn, put)
+        sums["trained"] = added(sums["trained"], out.sums(masks))
+        if random_init:
+            sums["random_init"] = added(sums["random_init"], evaluate_masks(
+                random_params, model_config, split, masks, batch_size, eval_fn, put=put))
+        sums["unigram"] = added(sums["unigram"], unigram_sums(unigram, split, masks))
+        worst.add(masks, out, rows)
+        chunk_sha256(h, masks)
+        rows, selected = rows + masks.rows.size, selected + int(masks.valid.sum())
+        slots_per_row = int(masks.positions.shape[1])
+        if progress is not None:
+            progress(rows)
+    return {"sums": sums, "worst": worst, "sha256": h.hexdigest(), "rows": rows,
+            "selected": selected, "slots_per_row": slots_per_row}
+
+
+def schedule_description(config, meta: dict, scored: dict, heldout_rows: int) -> dict:
     m = config.masking
     return {
-        "eval_seed": meta.get("eval_seed"),
-        "rows": int(masks.rows.size),
-        "selected": int(masks.valid.sum()),
-        "slots_per_row": int(masks.positions.shape[1]),
+        "eval_seed": meta.get("eval_seed", config.train.eval_seed),
+        "rows": scored["rows"],
+        "heldout_rows": heldout_rows,
+        "selected": scored["selected"],
+        "slots_per_row": scored["slots_per_row"],
         "rate": m.heldout_rate,  # the held-out masks' rate (a ramp's end)
         "unit": m.unit,
         "corruption": {"mask": m.mask, "random": m.random, "keep": m.keep},
-        "chunk": meta.get("chunk"),
-        "rule": meta.get("schedule"),
+        "chunk": meta.get("chunk", EVAL_MASK_CHUNK),
+        "rule": meta.get("schedule", SCHEDULE),
     }
 
 
@@ -77,8 +124,14 @@ def _delta(a: dict, b: dict) -> dict:
     return {key: b[key] - a[key] for key in keys if key in a and key in b}
 
 
+def _stored_chunks(masks: EvalMasks):
+    for c in range(-(-masks.rows.size // EVAL_MASK_CHUNK)):
+        yield masks.chunk(c)
+
+
 def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int = 20,
-                 batch_size: int = 64, step: int | None = None) -> dict:
+                 batch_size: int = 64, step: int | None = None, full: bool = False,
+                 progress=None, baselines: dict | None = None) -> dict:
     """Evaluate a run's checkpoint ``step`` (default: the latest) on its frozen eval-mask set;
     record it in ``history/eval-{step}.json`` and, unless a later step's is there, as
     ``eval.json`` with ``failures.jsonl`` (``judge/history.py``); return the result.
@@ -86,7 +139,10 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
     Baselines on the same selected positions: a unigram predictor (train-split frequencies) and
     the same architecture at random initialisation (the run's init key). ``mask_seed`` also
     evaluates on a second mask set drawn with that eval seed ("corruption transfer": same
-    held-out text, different corruption; not a new-language test).
+    held-out text, different corruption; not a new-language test). ``full``: every held-out
+    row, streamed (``eval_full.json``, ``failures_full.jsonl``); ``progress(rows_done, rows)``
+    is called after each chunk. ``baselines``: a dict shared by the evaluations of one run's
+    checkpoints, which keeps the random-init numbers (the same for every step) once scored.
     """
     if failures < 0 or batch_size < 1:
         raise ValueError(f"failures={failures} must be >= 0 and batch_size={batch_size} >= 1")
@@ -101,25 +157,34 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
                                     cfg.train.eval_rows, say=warn)
     split = dataset.heldout
     special_ids = sorted(set(dataset.specials.values()))
-    slot_fn = make_slot_fn(cfg.model)
-
-    trained = slot_outputs(run.params, cfg.model, split, masks, batch_size, slot_fn)
-    random = slot_outputs(init_params(cfg.model, cfg.train.seed), cfg.model, split, masks,
-                          batch_size, slot_fn)
     unigram = unigram_logprobs(dataset.unigram_counts("train"), special_ids)
-    trained_metrics = trained.sums(masks).metrics()
+    if full:
+        chunks = iter_chunks(split, masker, cfg.train.eval_seed, np.arange(split.rows))
+    else:
+        chunks = _stored_chunks(masks)
+    total = split.rows if full else masks.rows.size
+    baselines = {} if baselines is None else baselines
+    kept = baselines.get("full" if full else "frozen")
+    scored = score_chunks(chunks, run, cfg.model, split, unigram=unigram, failures=failures,
+                          batch_size=batch_size, random_init=kept is None,
+                          progress=progress and (lambda done: progress(done, total)))
+    random_metrics = kept or scored["sums"]["random_init"].metrics()
+    baselines["full" if full else "frozen"] = random_metrics
+    trained_metrics = scored["sums"]["trained"].metrics()
 
     transfer = None
     if mask_seed is not None:
-        other = build_eval_masks(split, masker, mask_seed, cfg.train.eval_rows)
-        out = slot_outputs(run.params, cfg.model, split, other, batch_size, slot_fn)
-        other_metrics = out.sums(other).metrics()
+        other_rows = np.arange(split.rows) if full else masks.rows
+        other = score_chunks(iter_chunks(split, masker, mask_seed, other_rows), run, cfg.model,
+                             split, unigram=unigram, failures=0, batch_size=batch_size,
+                             random_init=False)
+        other_metrics = other["sums"]["trained"].metrics()
         transfer = {
             "label": "corruption transfer (same held-out text, masks from another eval seed; "
                      "not a new-language test)",
             "mask_seed": mask_seed,
-            "eval_masks_sha256": eval_masks_sha256(other),
-            "same_as_frozen": eval_masks_sha256(other) == meta["sha256"],
+            "eval_masks_sha256": other["sha256"],
+            "same_as_frozen": other["sha256"] == scored["sha256"],
             "trained": other_metrics,
             "difference": _delta(trained_metrics, other_metrics),
         }
@@ -130,33 +195,30 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
         "step": run.step,
         "checkpoint_step": run.step,
         "tokens_seen": run.step * cfg.train.batch_size * dataset.seq_len,
-        "eval_masks_sha256": meta["sha256"],
+        "set": "full" if full else "frozen",
+        "eval_masks_sha256": scored["sha256"] if full else meta["sha256"],
         "trained": trained_metrics,
-        "unigram": unigram_sums(unigram, split, masks).metrics(),
-        "random_init": random.sums(masks).metrics(),
+        "unigram": scored["sums"]["unigram"].metrics(),
+        "random_init": random_metrics,
         "transfer": transfer,
-        "schedule": schedule_description(cfg, meta, masks),
+        "schedule": schedule_description(cfg, {} if full else meta, scored, split.rows),
     }
-    tokenizer = load_tokenizer(run.tokenizer_path)
-    cases = failure_cases(tokenizer, split, masks, trained, special_ids, failures)
-    if history.record(run_dir, "eval", result):  # the newest step scored: its failures too
-        files.write_jsonl(run_dir / FAILURES_FILE, cases)
+    if full:
+        result["schedule"]["rule"] = ("every held-out row; chunk c of them uses "
+                                      "fold_in(key(eval_seed), c)")
+    cases = scored["worst"].cases(load_tokenizer(run.tokenizer_path), split, special_ids)
+    name, failures_file = ("eval_full", FULL_FAILURES_FILE) if full else ("eval", FAILURES_FILE)
+    history.record_lines(run_dir, failures_file.split(".")[0], run.step, cases)
+    if history.record(run_dir, name, result):  # the newest step scored: its failures too
+        files.write_jsonl(run_dir / failures_file, cases)
     return result
 
 
 def evaluate_checkpoints(run_dir: Path, **options) -> list[dict]:
     """``evaluate_run`` at every committed checkpoint, oldest first (a learning curve)."""
-    from clozax.train.checkpoint import Checkpointer
-
-    checkpointer = Checkpointer(Path(run_dir), read_only=True)
-    try:
-        steps = checkpointer.all_steps()
-    finally:
-        checkpointer.close()
-    if not steps:
-        raise ValueError(f"run {run_dir} has no checkpoint yet; train it (or let a save "
-                         "complete) first")
-    return [evaluate_run(run_dir, step=s, **options) for s in steps]
+    baselines = {}
+    return [evaluate_run(run_dir, step=s, baselines=baselines, **options)
+            for s in history.committed_steps(run_dir)]
 
 
 def summary_table(result: dict):
@@ -166,7 +228,11 @@ def summary_table(result: dict):
 
     kinds = ("mask", "random", "keep")
     counts = ", ".join(f"{k} {result['trained']['by_kind'][k]['count']}" for k in kinds)
-    table = Table(title=f"held-out masked tokens, step {result['step']}: "
+    sched = result["schedule"]
+    which = ("every held-out row" if result.get("set") == "full" else
+             f"frozen sample, {sched['rows']:,} of {sched.get('heldout_rows', sched['rows']):,} "
+             "held-out rows")
+    table = Table(title=f"held-out masked tokens ({which}), step {result['step']}: "
                         f"{result['trained']['count']} positions ({counts}); accuracy overall "
                         "and by corruption kind", box=box.SIMPLE_HEAD)
     table.add_column("predictor", no_wrap=True)

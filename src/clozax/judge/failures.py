@@ -46,30 +46,49 @@ def marked_context(tokenizer, tokens: np.ndarray, segments: np.ndarray, position
     return f"{head}{text_left}{space}⟦{piece.strip()}⟧{rest}{tail}".strip()
 
 
-def failure_cases(tokenizer, split, masks: EvalMasks, slots: SlotOutputs, special_ids,
-                  k: int) -> list[dict]:
-    """The ``k`` valid slots with the lowest target probability (ties: mask-set order)."""
-    mask_idx, slot = np.nonzero(masks.valid)
-    nll = slots.nll[mask_idx, slot]
-    order = np.lexsort((slot, mask_idx, -nll.astype(np.float64)))[:k]
-    cases = []
-    for o in order:
-        i, j = int(mask_idx[o]), int(slot[o])
-        row, position = int(masks.rows[i]), int(masks.positions[i, j])
-        tokens = np.asarray(split.tokens[row])
-        target = int(tokens[position])
-        cases.append({
-            "row": row,
-            "position": position,
-            "text": marked_context(tokenizer, tokens, np.asarray(split.segments[row]), position,
-                                   special_ids),
-            "target": token_piece(tokenizer, target),
-            "target_id": target,
-            "target_probability": float(np.exp(-float(slots.nll[i, j]))),
-            "target_rank": int(slots.rank[i, j]),
-            "top5": [[token_piece(tokenizer, t), float(p)]
-                     for t, p in zip(slots.top_ids[i, j], slots.top_probs[i, j], strict=True)],
-            "kind": KIND_NAMES[Kind(int(masks.kinds[i, j]))],
-            "input_token": token_piece(tokenizer, int(masks.inputs[i, position])),
-        })
-    return cases
+class WorstSlots:
+    """The ``k`` valid slots with the lowest target probability over a set scored chunk by
+    chunk (ties: set order): at most ``k`` candidates kept per chunk and overall, so memory is
+    bounded by ``k`` whatever the set's size."""
+
+    def __init__(self, k: int):
+        self.k, self.kept = k, []  # (nll, set index, slot, fields)
+
+    def add(self, masks: EvalMasks, slots: SlotOutputs, offset: int) -> None:
+        """Offer a chunk: ``masks`` entries ``offset..`` of the set, scored as ``slots``."""
+        if self.k == 0:
+            return
+        mask_idx, slot = np.nonzero(masks.valid)
+        nll = slots.nll[mask_idx, slot].astype(np.float64)
+        for o in np.lexsort((slot, mask_idx, -nll))[: self.k]:
+            i, j = int(mask_idx[o]), int(slot[o])
+            self.kept.append((float(nll[o]), offset + i, j, {
+                "row": int(masks.rows[i]), "position": int(masks.positions[i, j]),
+                "nll": float(slots.nll[i, j]), "rank": int(slots.rank[i, j]),
+                "top_ids": slots.top_ids[i, j].tolist(),
+                "top_probs": slots.top_probs[i, j].tolist(),
+                "kind": int(masks.kinds[i, j]), "input_id": int(masks.slot_inputs[i, j])}))
+        self.kept = sorted(self.kept, key=lambda c: (-c[0], c[1], c[2]))[: self.k]
+
+    def cases(self, tokenizer, split, special_ids) -> list[dict]:
+        """The kept slots in their context, worst first."""
+        cases = []
+        for _, _, _, c in self.kept:
+            row, position = c["row"], c["position"]
+            tokens = np.asarray(split.tokens[row])
+            target = int(tokens[position])
+            cases.append({
+                "row": row,
+                "position": position,
+                "text": marked_context(tokenizer, tokens, np.asarray(split.segments[row]),
+                                       position, special_ids),
+                "target": token_piece(tokenizer, target),
+                "target_id": target,
+                "target_probability": float(np.exp(-c["nll"])),
+                "target_rank": c["rank"],
+                "top5": [[token_piece(tokenizer, t), float(p)]
+                         for t, p in zip(c["top_ids"], c["top_probs"], strict=True)],
+                "kind": KIND_NAMES[Kind(c["kind"])],
+                "input_token": token_piece(tokenizer, c["input_id"]),
+            })
+        return cases

@@ -74,11 +74,11 @@ def fill(run_dir: Path, text: str, top_k: int = 5, step: int | None = None) -> l
     return out
 
 
-def summary_table(results: list[dict]):
+def summary_table(results: list[dict], step: int | None = None):
     """A rich table of ``fill``'s result: one row per [MASK] and rank."""
     from rich.table import Table
 
-    table = Table(title="predictions at each [MASK]")
+    table = Table(title="predictions at each [MASK]" + (f", step {step}" if step else ""))
     for name, justify in (("[MASK]", "right"), ("rank", "right"), ("token", "left"),
                           ("probability", "right")):
         table.add_column(name, justify=justify)

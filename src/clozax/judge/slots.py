@@ -49,13 +49,14 @@ class SlotOutputs(NamedTuple):
 
 
 def slot_outputs(params, model_config, split, masks: EvalMasks, batch_size: int = 64,
-                 slot_fn=None) -> SlotOutputs:
-    """Run the model over a whole eval-mask set in fixed-shape batches (padded tail)."""
+                 slot_fn=None, put=None) -> SlotOutputs:
+    """Run the model over a whole eval-mask set in fixed-shape batches (padded tail), each
+    placed on the devices by ``put(arrays)`` when given."""
     slot_fn = slot_fn or make_slot_fn(model_config)
     parts = []
     take = functools.partial(mask_arrays, split, masks)
     for idx, arrays in padded_batches(masks.rows.size, batch_size, take):
-        out = slot_fn(params, *arrays)
+        out = slot_fn(params, *(arrays if put is None else put(arrays)))
         parts.append([np.asarray(o)[: idx.size] for o in out])
     return SlotOutputs(*(np.concatenate(p) for p in zip(*parts, strict=True)))
 

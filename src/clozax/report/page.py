@@ -2,7 +2,8 @@
 what a run directory holds, plus the figures as PNG files in ``RUN/report/``.
 
 It reads ``config.json``, ``run.json``, ``metrics.jsonl``, ``eval_masks.json`` and, when present,
-``eval.json`` + ``failures.jsonl`` (``clozax evaluate``), ``probe.json`` (``clozax probe``),
+``eval.json`` + ``failures.jsonl`` (``clozax evaluate``; ``eval_full.json`` of ``--full``),
+``probe.json`` (``clozax probe``),
 ``finetune/*/result.json`` (``clozax finetune``) and ``audit.json`` (``clozax audit``); a
 missing file makes its section say "not run". The
 probability panel (``clozax.judge.panel``) runs the latest checkpoint, so it needs the
@@ -53,29 +54,43 @@ def _figure(path: Path, alt: str, caption: str) -> dict:
             "data": base64.b64encode(path.read_bytes()).decode("ascii")}
 
 
-def write_report(run_dir: Path) -> Path:
+def report_name(step: int | None) -> tuple[str, str]:
+    """The page and figure folder of the newest checkpoint's report, or of ``step``'s."""
+    return (REPORT_FILE, FIGURE_DIR) if step is None else (f"report-step{step}.html",
+                                                           f"report-step{step}")
+
+
+def write_report(run_dir: Path, step: int | None = None) -> Path:
     """Write ``RUN/report.html`` (self-contained) and the figures in ``RUN/report/``; returns
-    the HTML path. Sections whose inputs are missing say "not run"."""
+    the HTML path. Sections whose inputs are missing say "not run". With ``step``: the report
+    of that checkpoint (``report-stepN.html``), from the results ``history/`` keeps of it."""
     run_dir = Path(run_dir)
     run_config, info = read_config(run_dir)  # raises a one-line error for a non-run
     config = run_config.to_dict()
-    ev = read_json(run_dir / "eval.json")
-    probe = read_json(run_dir / "probe.json")
+    if step is None:
+        ev, probe = read_json(run_dir / "eval.json"), read_json(run_dir / "probe.json")
+        cases = read_jsonl(run_dir / "failures.jsonl")
+    else:
+        if step not in (steps := history.committed_steps(run_dir)):
+            raise ValueError(f"run {run_dir} has no committed checkpoint at step {step}; it "
+                             f"has {', '.join(map(str, steps))}")
+        ev, probe = history.at_step(run_dir, "eval", step), history.at_step(run_dir, "probe", step)
+        cases = read_jsonl(run_dir / history.HISTORY_DIR / f"failures-{step}.jsonl")
     finetuned = [r for path in sorted((run_dir / "finetune").glob("*/result.json"))
                  if (r := read_json(path)) is not None]
     audit = read_json(run_dir / "audit.json")
     masks_meta = read_json(run_dir / "eval_masks.json")
-    cases = read_jsonl(run_dir / "failures.jsonl")
     curves = training_curves(read_jsonl(run_dir / "metrics.jsonl"))
+    page_name, figure_dir = report_name(step)
 
-    panel, panel_error, step, n_params = None, None, None, None
+    panel, panel_error, n_params = None, None, None
     try:
-        run = load_run(run_dir)
+        run = load_run(run_dir, step)
         step, n_params = run.step, model_lib.param_count(run.params)
         panel = probability_panel(run)
     except (ValueError, FileNotFoundError) as err:
         panel_error = str(err).splitlines()[0] if str(err) else type(err).__name__
-    figs = report_figures(run_dir / FIGURE_DIR, curves, ev, panel, run_config.model.vocab_size,
+    figs = report_figures(run_dir / figure_dir, curves, ev, panel, run_config.model.vocab_size,
                           history.recorded(run_dir, "eval"))
 
     m, t = config["model"], config["train"]
@@ -112,6 +127,8 @@ def write_report(run_dir: Path) -> Path:
             "table": sections.panel_table(panel)},
         "panel_error": panel_error,
         "evaluation": ev and sections.evaluation(ev, step),
+        "full_eval": (read_json(run_dir / "eval_full.json") if page_name == REPORT_FILE
+                      else history.at_step(run_dir, "eval_full", step)),
         "probe": probe and sections.probe_section(probe),
         "finetune": [sections.finetune_section(r) for r in finetuned],
         "failures": (ev is not None or cases) and {
@@ -124,4 +141,4 @@ def write_report(run_dir: Path) -> Path:
         "config_json": sections.config_json(config),
     }
     page = _environment().get_template("report.html.j2").render(context)
-    return files.write_text(run_dir / REPORT_FILE, page)
+    return files.write_text(run_dir / page_name, page)

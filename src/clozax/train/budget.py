@@ -44,10 +44,11 @@ def process_started() -> float:
 
 
 def steps_for_budget(config, started: float, state, step_fn, device_batch, mask_key,
-                     evaluate, dataset, masker, run_dir: Path, say) -> int:
+                     evaluate, masks, run_dir: Path, say) -> int:
     """The step count that fits ``config.train.minutes`` from ``started`` (perf_counter).
 
-    ``evaluate(params, masks, sample)`` is the run's own held-out evaluation.
+    ``evaluate(params, masks, sample)`` is the run's own held-out evaluation, timed on the
+    run's frozen set ``masks`` (built once: the run keeps it).
     """
     t = config.train
     probe = jax.tree.map(jnp.copy, state)
@@ -64,7 +65,6 @@ def steps_for_budget(config, started: float, state, step_fn, device_batch, mask_
     jax.block_until_ready(m)
     step_s = (time.perf_counter() - t0) / TIMED_STEPS
 
-    masks = heldout.build_eval_masks(dataset.heldout, masker, t.eval_seed, t.eval_rows)
     sample = heldout.sample_indices(masks.rows.size, t.eval_sample, t.eval_seed)
     evaluate(probe.params, masks, sample)  # compiles evaluation
     t0 = time.perf_counter()

@@ -22,39 +22,10 @@ from pathlib import Path
 from clozax.core.masking import CorruptionPolicy, validate_rate
 from clozax.core.model_config import PRESETS, ModelConfig
 from clozax.core.optim import OPTIMIZERS, SCHEDULES
+from clozax.train.checks import check_bool, check_choice, check_int, check_name, check_real
 
 MAX_MASK_RATE = 0.5  # Wettig et al. found up to 0.4 useful for large models
 SEED_LIMIT = 2**32  # jax.random.key folds larger seeds onto smaller ones (2**32 gives seed 0)
-
-
-def check_int(key: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
-    """A whole number (not a bool, not 1.5) within [minimum, maximum]; one-line error."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key}={value!r} is not a whole number; give an integer")
-    if minimum is not None and value < minimum or maximum is not None and value > maximum:
-        bounds = (f">= {minimum}" if maximum is None else
-                  f"in [{minimum}, {maximum}]" if minimum is not None else f"<= {maximum}")
-        raise ValueError(f"{key}={value!r} must be {bounds}")
-
-
-def check_real(key: str, value, low: float, high: float, *, low_open: bool = False,
-               high_open: bool = False) -> None:
-    """A finite number (not a bool, not inf or nan) within the interval; one-line error."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{key}={value!r} is not a finite number; give a number such as 0.5")
-    if value < low or value > high or low_open and value == low or high_open and value == high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{key}={value!r} is outside {interval}")
-
-
-def check_choice(key: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-def check_bool(key: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key}={value!r} is not a bool; use true or false")
 
 
 # Masking settings a model preset brings with it (ModernBERT masks 30 %), applied where the
@@ -146,9 +117,12 @@ class TrainConfig:
     seed: int = 0  # derives init_key, data_key, mask_key
     eval_seed: int = 1234  # the frozen eval-mask set's key: never the training key
     eval_every: int = 100
-    eval_rows: int | None = None  # cap on the held-out rows of the frozen eval-mask set
+    # Held-out rows of the frozen eval-mask set: a keyed sample of the split (the reason for
+    # 4,096: ``train/heldout.py``); None: every held-out row. `clozax evaluate --full` scores
+    # every row, streamed, whatever this is.
+    eval_rows: int | None = 4096
     # Rows of the frozen set evaluated during training: a keyed sample (the same rows at every
-    # evaluation), bounding its cost; `clozax evaluate` always uses the whole set. None: all.
+    # evaluation), bounding its cost; `clozax evaluate` uses the whole frozen set. None: all.
     eval_sample: int | None = 1024
     save_every: int = 100
     # Steps at which ``clozax train --extend-to`` continued a finished run with a schedule
@@ -172,6 +146,9 @@ class TrainConfig:
     # Peak TFLOP/s per device for the log's MFU; None: the device's data-sheet figure when
     # clozax knows its kind (``core/flops.py``), else no MFU (every CPU).
     peak_tflops: float | None = None
+    # Also send the logged scalars, the config and the run's identity to this Weights & Biases
+    # project (the ``wandb`` extra; offline without an API key: ``train/wandb_log.py``).
+    wandb_project: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "microbatches", "eval_every", "save_every",
@@ -193,6 +170,8 @@ class TrainConfig:
             check_real("train.peak_tflops", self.peak_tflops, 0.0, math.inf, low_open=True,
                        high_open=True)
         check_int("train.prefetch", self.prefetch, 0)
+        if self.wandb_project is not None:
+            check_name("train.wandb_project", self.wandb_project)
         if not isinstance(self.extended_from, tuple):  # JSON gives a list
             object.__setattr__(self, "extended_from", tuple(self.extended_from))
         for step in self.extended_from:
@@ -246,7 +225,7 @@ SPEED_ONLY = {
     "train.microbatches", "train.devices", "train.fsdp", "train.keep_checkpoints",
     "train.log_every", "train.prefetch", "train.save_every", "train.eval_every",
     "train.minutes", "train.save_every_minutes", "model.attention", "model.unroll",
-    "model.remat", "train.peak_tflops",
+    "model.remat", "train.peak_tflops", "train.wandb_project",
 }
 
 
@@ -275,7 +254,11 @@ def from_dict(data: dict) -> RunConfig:
 
 
 def _parse_value(text: str):
-    """A TOML value if it parses as one (numbers, booleans, quoted strings), else the raw text."""
+    """A TOML value if it parses as one (numbers, booleans, quoted strings), ``none`` / ``null``
+    as None (an optional setting's "off" or "all", e.g. ``train.eval_rows=none``), else the
+    raw text."""
+    if text.strip().lower() in ("none", "null"):
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -105,6 +105,16 @@ def broadcast(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
+def same_everywhere(digest: str, what: str) -> None:
+    """Fail unless every process holds process 0's ``digest`` (a hex hash) of ``what``."""
+    import jax
+
+    ours = int(digest[:7], 16)  # 28 bits: ``broadcast`` carries an int32 (JAX without x64)
+    if broadcast(ours) != ours:
+        raise ValueError(f"process {jax.process_index()} has another {what} than process 0; "
+                         "every process needs the same dataset, settings and clozax version")
+
+
 def _int_env(name: str) -> int:
     try:
         return int(os.environ[name])

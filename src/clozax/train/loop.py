@@ -117,7 +117,7 @@ def train(
     started = process_started()  # a --minutes budget covers the whole command
     run_dir = Path(run_dir)
     primary = distributed.is_primary()  # the process that writes files and reports
-    log = TrainLog(run_dir, console=console, enabled=primary)
+    log = TrainLog(run_dir, console=console, enabled=primary, config=config)
     with ExitStack() as held:  # the run's lock and signal handlers, for the whole run
         lock_run(held, run_dir, primary, log.info)
         interrupts = held.enter_context(Interrupts(jax.process_count(), say=log.info))
@@ -192,10 +192,12 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             raise TrainingDiverged(f"{e}; the last good checkpoint is step {kept}") from None
 
     # --- budget: --minutes fixes the step count from measured costs (compile included)
-    budget = None
+    budget, built_masks = None, None
     if config.train.minutes is not None and not existing:
+        built_masks = heldout.build_eval_masks(dataset.heldout, masker, config.train.eval_seed,
+                                               config.train.eval_rows)
         steps = distributed.broadcast(steps_for_budget(
-            config, started, state, step_fn, device_batch, keys.mask, evaluate, dataset, masker,
+            config, started, state, step_fn, device_batch, keys.mask, evaluate, built_masks,
             run_dir, log.info))
         config = replace(config, train=replace(config.train, steps=steps,
                                                budget_revisions=((0, steps),)))
@@ -235,7 +237,8 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                  f"{config.train.steps} steps (schedule re-created for {config.train.steps})")
     eval_masks, _ = heldout.ensure_eval_masks(run_dir, dataset, masker, config.train.eval_seed,
                                               config.train.eval_rows, say=log.info,
-                                              write=primary)
+                                              write=primary, built=built_masks)
+    distributed.same_everywhere(heldout.eval_masks_sha256(eval_masks), "frozen held-out set")
     sample = heldout.sample_indices(eval_masks.rows.size, config.train.eval_sample,
                                     config.train.eval_seed)
 
@@ -328,10 +331,11 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 last_eval = {**evaluate(state.params, eval_masks, sample), "rows": eval_rows}
                 record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
                 record["eval"] = last_eval  # on a sample of the frozen set (its rows)
-                record["eval_seconds"] = round(time.perf_counter() - t_eval, 3)
+                spent = time.perf_counter() - t_eval  # one reading for the record and pace
+                record["eval_seconds"] = round(spent, 3)
                 if budget is not None:
-                    budget.spent_outside(time.perf_counter() - t_eval)
-                pace.exclude(time.perf_counter() - t_eval)  # tokens/s: training time only
+                    budget.spent_outside(spent)
+                pace.exclude(spent)  # tokens/s: training time only
             if due_save:  # started now, written in the background while training goes on
                 t_save = time.perf_counter()
                 checkpointer.save(step, state, {"config": config.to_dict()})

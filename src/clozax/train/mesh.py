@@ -3,6 +3,8 @@ train state lives on it (replicated, or sharded with ``train.fsdp``)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -81,3 +83,17 @@ def state_shardings(state, mesh: Mesh, fsdp: bool):
         return NamedSharding(mesh, P(*([None] * axis), "data"))
 
     return jax.tree.map(sharding, state)
+
+
+def evaluation_placement(batch_size: int):
+    """How a judge command spreads held-out batches over this process's devices: ``(put,
+    replicate, batch)`` — ``put(arrays)`` splits a batch's rows over the ``data`` axis,
+    ``replicate(params)`` copies parameters to every device, ``batch`` is ``batch_size`` raised
+    to a multiple of the device count. One device: no placement at all."""
+    n = jax.local_device_count()
+    if n == 1:
+        return None, lambda params: params, batch_size
+    mesh = Mesh(np.array(jax.local_devices()), ("data",))
+    rows, everywhere = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    return (lambda arrays: from_host(rows, arrays),
+            lambda params: jax.device_put(params, everywhere), math.lcm(batch_size, n))

@@ -1,4 +1,5 @@
-"""Observability for training: metrics.jsonl, a rich progress bar, optional TensorBoard."""
+"""Observability for training: metrics.jsonl, a rich progress bar, optional TensorBoard and
+Weights & Biases (``train/wandb_log.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from clozax.core import files
-from clozax.train.layout import METRICS_FILE
+from clozax.train import wandb_log
+from clozax.train.layout import CONFIG_FILE, METRICS_FILE
 
 
 def _summary_writer():
@@ -31,6 +33,16 @@ def _summary_writer():
         if hide:
             del sys.modules["torch"]
     return SummaryWriter
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A metrics line's scalars, as TensorBoard and W&B get them: ``train/loss``, ...,
+    ``eval/accuracy``, ..."""
+    out = {f"train/{key}": record[key] for key in ("loss", "lr", "grad_norm", "tokens_per_s",
+                                                    "mfu", "data_wait_share") if key in record}
+    out.update({f"eval/{key}": value for key, value in (record.get("eval") or {}).items()
+                if isinstance(value, (int, float)) and key != "rows"})
+    return out
 
 
 def _step_of(line: str) -> int | None:
@@ -90,15 +102,21 @@ class Pace:
 
 
 class TrainLog:
-    """What a run reports. Only one process of a multi-process job reports (``enabled``)."""
+    """What a run reports. Only one process of a multi-process job reports (``enabled``).
+    ``config``'s ``train.wandb_project`` turns W&B on (a missing ``wandb`` fails here, first)."""
 
-    def __init__(self, run_dir: Path, console: Console | None = None, enabled: bool = True):
+    def __init__(self, run_dir: Path, console: Console | None = None, enabled: bool = True,
+                 config=None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.console = console or Console(stderr=True, highlight=False)
         self.progress: Progress | None = None
         self.task = None
         self._tb = None
+        self._config = config
+        project = config.train.wandb_project if config is not None and enabled else None
+        self._wandb_project, self._wandb = project, None
+        self._wandb_module = wandb_log.require() if project else None
         self._last_record: dict = {}
 
     def info(self, message: str) -> None:
@@ -124,6 +142,12 @@ class TrainLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         writer = _summary_writer()
         self._tb = writer(str(self.run_dir / "tensorboard")) if writer is not None else None
+        if self._wandb_module is not None:  # the config the run directory records, resolved
+            saved = self.run_dir / CONFIG_FILE
+            config = json.loads(saved.read_text()) if saved.is_file() else self._config.to_dict()
+            self._wandb = wandb_log.WandbLog(  # its one line unwrapped: a command to copy
+                self._wandb_module, self.run_dir, self._wandb_project, config,
+                lambda line: self.console.print(line, soft_wrap=True, markup=False))
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -157,14 +181,12 @@ class TrainLog:
         with open(self.run_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
         self._last_record = record
+        tags = scalars(record)
         if self._tb is not None:
-            step = record["step"]
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_wait_share"):
-                if key in record:
-                    self._tb.add_scalar(f"train/{key}", record[key], step)
-            for key, value in (record.get("eval") or {}).items():
-                if isinstance(value, (int, float)) and key != "rows":
-                    self._tb.add_scalar(f"eval/{key}", value, step)
+            for tag, value in tags.items():
+                self._tb.add_scalar(tag, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(tags, record["step"])
         if "eval" in record:
             ev = record["eval"]
             self.console.print(
@@ -193,8 +215,13 @@ class TrainLog:
     def stop(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        if self._tb is not None:
-            self._tb.close()
+        try:
+            if self._tb is not None:
+                self._tb.close()
+        finally:  # W&B's run is finished whatever TensorBoard's close did
+            if self._wandb is not None:
+                wandb_run, self._wandb = self._wandb, None
+                wandb_run.finish()
 
 
 def step_line(record: dict, total: int) -> str:

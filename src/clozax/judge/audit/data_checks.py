@@ -36,8 +36,8 @@ def check_eval_masks(pipe: Pipeline, dataset: Dataset, run_dir: Path) -> CheckRe
     masker = default_masker(config, pipe.vocab, pipe.seq_len)
     rebuilt = heldout.build_eval_masks(dataset.heldout, masker, config.train.eval_seed,
                                         config.train.eval_rows)
-    stored_sha = heldout.eval_masks_sha256(stored)
-    rebuilt_sha = heldout.eval_masks_sha256(rebuilt)
+    stored_sha = heldout.set_sha256(stored, meta, dataset.heldout)  # by the file's own rule
+    rebuilt_sha = heldout.set_sha256(rebuilt, meta, dataset.heldout)
     passed = stored_sha == meta["sha256"] == rebuilt_sha
     return CheckResult("eval_masks", passed,
                        {"recorded": meta["sha256"], "stored": stored_sha, "rebuilt": rebuilt_sha},
