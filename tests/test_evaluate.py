@@ -294,3 +294,37 @@ def test_set_none_turns_an_optional_setting_off_and_the_default_sample_is_4096_r
                               ).train.eval_sample is None
     with pytest.raises(ValueError, match="train.steps=None is not a whole number"):
         config_lib.resolve(preset="tiny", overrides=["train.steps=none"])
+
+
+def test_a_run_trained_at_30_percent_is_also_scored_on_a_fixed_15_percent_set(
+        stdlib_data, tmp_path, evaluated):
+    from clozax.report import sections
+    from clozax.train import config as config_lib
+    from clozax.train import loop as train_lib
+
+    assert evaluated[1]["fixed_rate"] is None  # a 15 % run's own set is the comparable one
+    cfg = config_lib.resolve(preset="tiny", overrides=[
+        "masking.rate=0.3", "train.steps=2", "train.batch_size=8", "train.eval_rows=16",
+        "train.eval_every=2", "optim.warmup_steps=1"])
+    train_lib.train(stdlib_data, tmp_path / "r30", cfg)
+    result = ev.evaluate_run(tmp_path / "r30", failures=1, batch_size=16)
+    fixed = result["fixed_rate"]
+    own, _ = heldout.load_eval_masks(tmp_path / "r30")
+    at15, meta = heldout.load_eval_masks(tmp_path / "r30", stem=heldout.FIXED_STEM)
+    assert np.array_equal(own.rows, at15.rows) and fixed["eval_masks_sha256"] == meta["sha256"]
+    assert fixed["rate"] == 0.15 and result["schedule"]["rate"] == 0.3
+    assert fixed["trained"]["count"] == int(at15.valid.sum()) < result["trained"]["count"]
+    assert at15.positions.shape[1] * 2 <= own.positions.shape[1] + 1  # half the slots
+    # ... and it is the set a 15 % run of the same data, rows and eval seed scores.
+    ds = open_dataset(stdlib_data)
+    from clozax.core.pipeline import make_masker
+    from clozax.core.vocab import Vocabulary
+
+    plain = config_lib.resolve(preset="tiny")  # masking at 15 %
+    masker = make_masker(plain.masking, Vocabulary(ds.vocab_size, ds.specials), ds.seq_len)
+    assert heldout.eval_masks_sha256(heldout.build_eval_masks(
+        ds.heldout, masker, plain.train.eval_seed, 16)) == meta["sha256"]
+    card = sections.headline(result, None, None)["cards"][0]
+    assert card["key"].startswith("held-out masked-token accuracy at 15 %")
+    assert f"{100 * fixed['trained']['accuracy']:.1f}" in card["value"]
+    assert "The run's own 30% masks" in card["note"]

@@ -26,12 +26,15 @@ from clozax.judge.failures import WorstSlots
 from clozax.judge.slots import make_slot_fn, slot_outputs, sums_from_slots
 from clozax.train.heldout import (
     EVAL_MASK_CHUNK,
+    FIXED_RATE,
+    FIXED_STEM,
     SCHEDULE,
     EvalMasks,
     EvalSums,
     chunk_sha256,
     ensure_eval_masks,
     evaluate_masks,
+    fixed_rate,
     iter_chunks,
     make_eval_fn,
     mask_arrays,
@@ -124,6 +127,33 @@ def _delta(a: dict, b: dict) -> dict:
     return {key: b[key] - a[key] for key in keys if key in a and key in b}
 
 
+def _fixed_rate(run, dataset, vocab, unigram, batch_size: int, full: bool,
+                baselines: dict) -> dict | None:
+    """The same checkpoint on the fixed-15 % set beside the run's own (``heldout.fixed_rate``:
+    the same rows, eval seed and corruption mix): the number that compares runs trained at
+    different rates. None when the run's own set is at 15 %."""
+    cfg = run.config
+    masking = fixed_rate(cfg.masking)
+    if masking is None:
+        return None
+    masker = make_masker(masking, vocab, dataset.seq_len)
+    split, key = dataset.heldout, "full-15" if full else "frozen-15"
+    if full:
+        chunks, meta = iter_chunks(split, masker, cfg.train.eval_seed, np.arange(split.rows)), {}
+    else:
+        masks, meta = ensure_eval_masks(run.path, dataset, masker, cfg.train.eval_seed,
+                                        cfg.train.eval_rows, say=warn, stem=FIXED_STEM)
+        chunks = _stored_chunks(masks)
+    scored = score_chunks(chunks, run, cfg.model, split, unigram=unigram, failures=0,
+                          batch_size=batch_size, random_init=key not in baselines)
+    if key not in baselines:
+        baselines[key] = scored["sums"]["random_init"].metrics()
+    return {"rate": FIXED_RATE, "unit": masking.unit,
+            "eval_masks_sha256": scored["sha256"] if full else meta["sha256"],
+            "selected": scored["selected"], "trained": scored["sums"]["trained"].metrics(),
+            "unigram": scored["sums"]["unigram"].metrics(), "random_init": baselines[key]}
+
+
 def _stored_chunks(masks: EvalMasks):
     for c in range(-(-masks.rows.size // EVAL_MASK_CHUNK)):
         yield masks.chunk(c)
@@ -171,6 +201,7 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
     random_metrics = kept or scored["sums"]["random_init"].metrics()
     baselines["full" if full else "frozen"] = random_metrics
     trained_metrics = scored["sums"]["trained"].metrics()
+    fixed = _fixed_rate(run, dataset, vocab, unigram, batch_size, full, baselines)
 
     transfer = None
     if mask_seed is not None:
@@ -201,6 +232,7 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
         "unigram": scored["sums"]["unigram"].metrics(),
         "random_init": random_metrics,
         "transfer": transfer,
+        "fixed_rate": fixed,
         "schedule": schedule_description(cfg, {} if full else meta, scored, split.rows),
     }
     if full:
@@ -243,6 +275,10 @@ def summary_table(result: dict):
     if result.get("transfer"):
         rows.append((f"seed {result['transfer']['mask_seed']} masks",
                      result["transfer"]["trained"]))
+    if result.get("fixed_rate"):
+        rows += [(f"{name} (15 % masks)", result["fixed_rate"][key])
+                 for name, key in (("trained", "trained"), ("unigram", "unigram"),
+                                   ("random init", "random_init"))]
     for name, m in rows:
         by_kind = [f"{m['by_kind'][k]['accuracy']:.4f}" if m["by_kind"][k]["count"] else "-"
                    for k in kinds]

@@ -63,11 +63,16 @@ def _at(result: dict) -> str:
 def headline(ev: dict | None, probe: dict | None, audit: dict | None) -> dict:
     cards = []
     if ev is not None:
-        t, u, r = (ev[k]["accuracy"] for k in ("trained", "unigram", "random_init"))
+        # The headline compares runs: at the fixed 15 % when the run's own rate is another.
+        fixed = ev.get("fixed_rate")
+        at = fixed or ev
+        t, u, r = (at[k]["accuracy"] for k in ("trained", "unigram", "random_init"))
         ratio = f"{t / u:.2g}×" if u > 0 else "∞×"
-        cards.append(card(f"held-out masked-token accuracy{_at(ev)}", pct(t),
-                          f"{ratio} the unigram baseline ({pct(u)}); random init {pct(r)}; "
-                          f"{ev['trained']['count']:,} positions."))
+        own = (f" The run's own {ev['schedule']['rate']:.0%} masks: "
+               f"{pct(ev['trained']['accuracy'])}." if fixed else "")
+        title = f"held-out masked-token accuracy{' at 15 %' if fixed else ''}{_at(ev)}"
+        cards.append(card(title, pct(t), f"{ratio} the unigram baseline ({pct(u)}); random init "
+                          f"{pct(r)}; {at['trained']['count']:,} positions.{own}"))
         tp, up = ev["trained"]["perplexity"], ev["unigram"]["perplexity"]
         cards.append(card(f"held-out perplexity{_at(ev)}", f"{tp:,.0f}",
                           f"unigram {up:,.0f}, random init "

@@ -24,6 +24,7 @@ Training evaluates with it every ``train.eval_every`` steps; ``clozax evaluate``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -45,6 +46,18 @@ from clozax.data.loader import padded_batches
 EVAL_MASK_CHUNK = 256
 EVAL_MASKS_FILE = "eval_masks.npz"
 EVAL_MASKS_META = "eval_masks.json"
+STEM = "eval_masks"  # the run's own set; FIXED_STEM: the fixed-rate set beside it
+FIXED_RATE = 0.15  # held-out numbers comparable across training rates (ModernBERT's practice)
+FIXED_STEM = "eval_masks_15"
+
+
+def fixed_rate(masking):
+    """``masking`` at ``FIXED_RATE`` without a ramp (the same unit and corruption mix): the
+    masks of the set that compares runs trained at any rate; None when the run's own set
+    already is at that rate."""
+    if masking.heldout_rate == FIXED_RATE:
+        return None
+    return dataclasses.replace(masking, rate=FIXED_RATE, rate_end=None, ramp_steps=0)
 FORMAT = 2  # 1 (before): whole corrupted input rows, hashed field by field
 SCHEDULE = ("rows: sorted(numpy Generator(PCG64([eval_seed, 2])).choice(heldout_rows, rows, "
             "replace=False)), all held-out rows when there are no more than `rows`; chunk c of "
@@ -155,7 +168,7 @@ class EvalMasksUnreadable(ValueError):
 
 
 def save_eval_masks(run_dir: Path, masks: EvalMasks, *, eval_seed: int, fingerprint: str,
-                    seq_len: int, heldout_rows: int) -> dict:
+                    seq_len: int, heldout_rows: int, stem: str = STEM) -> dict:
     """Write the set and its description as one file, atomically (``eval_masks.npz`` holds the
     arrays and the metadata), then a readable copy of the metadata (``eval_masks.json``).
     Returns the metadata."""
@@ -173,16 +186,16 @@ def save_eval_masks(run_dir: Path, masks: EvalMasks, *, eval_seed: int, fingerpr
     }
     buffer = io.BytesIO()
     np.savez(buffer, **masks._asdict(), meta=np.array(json.dumps(meta, sort_keys=True)))
-    files.write_bytes(run_dir / EVAL_MASKS_FILE, buffer.getvalue())
-    files.write_json(run_dir / EVAL_MASKS_META, meta)
+    files.write_bytes(run_dir / f"{stem}.npz", buffer.getvalue())
+    files.write_json(run_dir / f"{stem}.json", meta)
     return meta
 
 
-def load_eval_masks(run_dir: Path, dataset=None) -> tuple[EvalMasks, dict]:
+def load_eval_masks(run_dir: Path, dataset=None, stem: str = STEM) -> tuple[EvalMasks, dict]:
     """Load the stored eval-mask set and verify it against its recorded sha256, and, given the
     ``dataset`` it is used with, against that dataset's fingerprint and ``seq_len``. A format-1
     file (whole input rows) is read into the slot form after its own hash is checked."""
-    path = Path(run_dir) / EVAL_MASKS_FILE
+    path = Path(run_dir) / f"{stem}.npz"
     if not path.is_file():
         raise EvalMasksUnreadable(f"run {run_dir} has no frozen eval-mask set ({path.name}); "
                                   "`clozax train` or `clozax evaluate` builds it")
@@ -201,7 +214,7 @@ def load_eval_masks(run_dir: Path, dataset=None) -> tuple[EvalMasks, dict]:
     if sha != meta.get("sha256"):
         raise ValueError(
             f"eval-mask set in {run_dir} does not match its recorded sha256; it was modified — "
-            f"restore it, or delete {EVAL_MASKS_FILE} to have it rebuilt from the eval seed"
+            f"restore it, or delete {path.name} to have it rebuilt from the eval seed"
         )
     if dataset is not None and (meta.get("dataset_fingerprint"), meta.get("seq_len")) != (
             dataset.fingerprint, dataset.seq_len):
@@ -216,7 +229,8 @@ def load_eval_masks(run_dir: Path, dataset=None) -> tuple[EvalMasks, dict]:
 
 def ensure_eval_masks(run_dir: Path, dataset, masker, eval_seed: int,
                       max_rows: int | None = None, say=None, write: bool = True,
-                      built: EvalMasks | None = None) -> tuple[EvalMasks, dict]:
+                      built: EvalMasks | None = None,
+                      stem: str = STEM) -> tuple[EvalMasks, dict]:
     """The run's eval-mask set: loaded when intact; built when missing or damaged (a kill
     while writing, a truncated file) — deterministically from the eval seed, so a rebuilt set
     has the sha256 ``eval_masks.json`` recorded before, which is checked (by the recorded
@@ -224,13 +238,13 @@ def ensure_eval_masks(run_dir: Path, dataset, masker, eval_seed: int,
     cost). Without ``write`` (every process but the first of a job) nothing is written."""
     run_dir = Path(run_dir)
     try:
-        masks, meta = load_eval_masks(run_dir, dataset)
-        if write and files.read_json(run_dir / EVAL_MASKS_META) != meta:  # the readable copy
-            files.write_json(run_dir / EVAL_MASKS_META, meta)
+        masks, meta = load_eval_masks(run_dir, dataset, stem)
+        if write and files.read_json(run_dir / f"{stem}.json") != meta:  # the readable copy
+            files.write_json(run_dir / f"{stem}.json", meta)
         return masks, meta
     except EvalMasksUnreadable as e:
-        damaged = (run_dir / EVAL_MASKS_FILE).exists()
-        recorded_meta = files.read_json(run_dir / EVAL_MASKS_META) or {}
+        damaged = (run_dir / f"{stem}.npz").exists()
+        recorded_meta = files.read_json(run_dir / f"{stem}.json") or {}
         recorded = recorded_meta.get("sha256")
         masks = built if built is not None else build_eval_masks(dataset.heldout, masker,
                                                                  eval_seed, max_rows)
@@ -244,7 +258,7 @@ def ensure_eval_masks(run_dir: Path, dataset, masker, eval_seed: int,
             return masks, {"sha256": eval_masks_sha256(masks), "format": FORMAT}
         meta = save_eval_masks(run_dir, masks, eval_seed=eval_seed,
                                fingerprint=dataset.fingerprint, seq_len=dataset.seq_len,
-                               heldout_rows=dataset.heldout.rows)
+                               heldout_rows=dataset.heldout.rows, stem=stem)
         if (damaged or recorded is not None) and say is not None:
             say(f"{e}; rebuilt it from eval seed {eval_seed} (sha256 {recorded[:12]}, as recorded)"
                 if recorded else f"{e}; rebuilt it from eval seed {eval_seed}")
