@@ -49,6 +49,9 @@ def train(
         help="Decay branch: a new --out from this run's stable checkpoint --step, decaying "
              "over --steps updates (optimizer state kept).")] = None,
     step: Annotated[int | None, typer.Option(help="With --decay-from: the checkpoint.")] = None,
+    recipe: Annotated[str | None, typer.Option(
+        help="A published recipe, scaled to --steps: modernbert (StableAdamW, 30 % masking, "
+             "batch ramp, warmup-stable-1-sqrt-decay in two phases).")] = None,
     coordinator: Annotated[str | None, typer.Option(
         help="Multi-process job: process 0's HOST:PORT (also CLOZAX_COORDINATOR).")] = None,
     num_processes: Annotated[int | None, typer.Option(
@@ -92,6 +95,13 @@ def train(
     run_model = read_config(out)[0].model if existing else None
     if decay_from is None:
         resolved = config_lib.resolve(config, preset, overrides, run_model=run_model)
+    if recipe is not None:
+        from clozax.train.recipes import apply_recipe
+
+        if decay_from is not None:
+            raise ValueError("--recipe and --decay-from cannot be combined: a branch keeps "
+                             "RUN's recipe")
+        resolved = apply_recipe(recipe, resolved)
     result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from,
                              extend_to=extend_to)
     summary = f"trained {result.steps} steps into {out}"

@@ -6,7 +6,9 @@ Schedules (``learning_rate``): a linear warm-up, then a stable stretch at the pe
 classic warm-up-then-decay; below 1 it is warmup-stable-decay (WSD, Hu et al. 2024), whose
 ``1-sqrt`` cool-down (Hägele et al. 2024: lr = peak * (1 - sqrt(t)) over the decay's progress t)
 is what ModernBERT, Ettin and mmBERT end with. ``decay_start_step`` fixes the decay's first
-update exactly (a decay branch, ``train/branch.py``).
+update exactly (a decay branch, ``train/branch.py``). A run in phases (``train/phases.py``) has
+one piece of that shape per phase (``RatePiece``, ``piecewise_rate``): its own peak, a warm-up
+from where the previous piece ended, a stable stretch and a decay.
 
 Optimizers (``make_optimizer``), every one with decoupled weight decay on dense kernels only
 (``model.decay_mask``: biases, norms and embeddings are not decayed) and the schedule last:
@@ -78,14 +80,64 @@ def decay_start(optim, total, warmup=None):
     return total - optim.decay_fraction * (total - warmup)
 
 
-def scale_by_schedule(optim, total_steps: int) -> optax.GradientTransformation:
-    """Multiply updates by ``-learning_rate(count, total_steps)``; both live in the state."""
+class RatePiece(NamedTuple):
+    """One phase's learning rate over its updates ``[start, start + steps)``: a linear warm-up
+    from ``begin`` (the rate the previous piece ended at; 0 for the first) to ``peak`` over
+    ``warmup`` updates, the peak, then over the last ``decay_fraction`` of the post-warm-up
+    updates a ``decay`` (``none | linear | cosine | 1-sqrt``) to ``end``."""
+
+    start: int
+    steps: int
+    peak: float
+    warmup: int
+    decay: str
+    decay_fraction: float
+    end: float
+    begin: float = 0.0
+
+
+def piece_rate(piece: RatePiece, local):
+    """The rate of update ``local`` (0-based within the piece; traced or a plain number): the
+    classic ``learning_rate``'s formula with the piece's own peak, start rate and length."""
+    local = jnp.asarray(local, jnp.float32)
+    warmup, n = float(piece.warmup), float(piece.steps)
+    warming = piece.begin + (piece.peak - piece.begin) * local / max(warmup, 1.0)
+    if piece.decay == "none":
+        settled = jnp.full_like(local, piece.peak)
+    else:
+        start = warmup if piece.decay_fraction == 1.0 else n - piece.decay_fraction * (n - warmup)
+        frac = jnp.clip((local - start) / max(n - start, 1.0), 0.0, 1.0)
+        if piece.decay == "cosine":
+            settled = piece.end + (piece.peak - piece.end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+        elif piece.decay == "1-sqrt":
+            settled = piece.end + (piece.peak - piece.end) * (1.0 - jnp.sqrt(frac))
+        else:
+            settled = piece.peak + (piece.end - piece.peak) * frac
+    return jnp.where(local < warmup, warming, settled)
+
+
+def piecewise_rate(pieces: tuple[RatePiece, ...]):
+    """``rate(count, total_steps)`` of a run in phases: piece ``k``'s rate from its first
+    update on (the total is unused: a phased run's length is fixed by its phases)."""
+
+    def rate(count, total_steps=None):
+        count = jnp.asarray(count, jnp.float32)
+        out = piece_rate(pieces[0], count - pieces[0].start)
+        for piece in pieces[1:]:
+            out = jnp.where(count >= piece.start, piece_rate(piece, count - piece.start), out)
+        return out
+
+    return rate
+
+
+def scale_by_schedule(rate, total_steps: int) -> optax.GradientTransformation:
+    """Multiply updates by ``-rate(count, total_steps)``; both live in the state."""
 
     def init(params):
         return ScheduleState(jnp.zeros((), jnp.int32), jnp.asarray(total_steps, jnp.int32))
 
     def update(updates, state, params=None):
-        lr = learning_rate(optim, state.count, state.total_steps)
+        lr = rate(state.count, state.total_steps)
         updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
         return updates, ScheduleState(state.count + 1, state.total_steps)
 
@@ -113,10 +165,12 @@ def clip_by_update_rms(inner: optax.GradientTransformation, b2: float,
     return optax.GradientTransformation(inner.init, update)
 
 
-def make_optimizer(optim, steps: int, params) -> tuple:
+def make_optimizer(optim, steps: int, params, schedule=None) -> tuple:
     """``optim.optimizer`` (see the module docstring) with global-norm clipping (``clip_norm``;
-    0 disables) first and the schedule of ``learning_rate`` last. ``optim`` is an
-    ``OptimConfig``.
+    0 disables) first and the schedule of ``learning_rate`` last (or ``schedule(count,
+    total_steps)``: a phased run's ``piecewise_rate``). ``optim`` is an ``OptimConfig``. The
+    state's structure depends on ``optim.optimizer`` and ``clip_norm`` only, so a phase may
+    change the rate and the weight decay and keep the state.
 
     Returns ``(optimizer, rate)``: ``rate(opt_state)`` is the learning rate of the next update.
     """
@@ -129,11 +183,14 @@ def make_optimizer(optim, steps: int, params) -> tuple:
         parts += [adam, decay, optax.scale_by_trust_ratio()]
     else:
         parts += [adam, decay]
-    parts.append(scale_by_schedule(optim, steps))
+    if schedule is None:
+        def schedule(count, total_steps):
+            return learning_rate(optim, count, total_steps)
+    parts.append(scale_by_schedule(schedule, steps))
 
     def rate(opt_state):
-        schedule = opt_state[-1]
-        return learning_rate(optim, schedule.count, schedule.total_steps)
+        state = opt_state[-1]
+        return schedule(state.count, state.total_steps)
 
     return optax.chain(*parts), rate
 

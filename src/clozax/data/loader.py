@@ -35,6 +35,20 @@ def batch_rows(data_seed: int, index: int, rows: int, batch_size: int) -> np.nda
     return epoch_permutation(data_seed, epoch, rows)[start : start + batch_size]
 
 
+def stream_rows(data_seed: int, position: int, count: int, rows: int) -> np.ndarray:
+    """Rows ``position .. position + count - 1`` of the endless stream of epoch permutations
+    (epoch ``e`` is ``epoch_permutation(data_seed, e, rows)``): a run in phases reads each of
+    its datasets this way, so batches of changing sizes follow one another without a gap or a
+    repeat within an epoch."""
+    out, left = [], count
+    while left:
+        epoch, within = divmod(position, rows)
+        take = min(rows - within, left)
+        out.append(epoch_permutation(data_seed, epoch, rows)[within:within + take])
+        position, left = position + take, left - take
+    return np.concatenate(out)
+
+
 def host_batch(split, rows: np.ndarray) -> dict[str, np.ndarray]:
     """Read rows from the memory-mapped split. Returns (batch, seq) arrays."""
     order = np.argsort(rows, kind="stable")  # read the memmap in ascending order, then restore

@@ -1,5 +1,6 @@
 """The config's validators: each accepts one value or raises a one-line ``ValueError`` that
-names the key, the value and what to give instead (the CLI prints it as the error)."""
+names the key, the value and what to give instead (the CLI prints it as the error); and
+``validate_for_data``, the config against the dataset it trains on."""
 
 from __future__ import annotations
 
@@ -41,3 +42,29 @@ def check_name(key: str, value) -> None:
     if not isinstance(value, str) or not value or "/" in value or any(map(str.isspace, value)):
         raise ValueError(f"{key}={value!r} is not a name; give a non-empty string without "
                          "whitespace or '/' (e.g. clozax-small)")
+
+
+def validate_for_data(config, dataset, n_devices: int) -> None:
+    """Config/data consistency checks that need the dataset, before any compilation."""
+    if dataset.seq_len > config.model.max_positions:
+        raise ValueError(
+            f"dataset seq_len {dataset.seq_len} exceeds model.max_positions="
+            f"{config.model.max_positions}; raise model.max_positions or prepare shorter rows"
+        )
+    if config.model.vocab_size != dataset.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={config.model.vocab_size} does not match the dataset's tokenizer "
+            f"({dataset.vocab_size}); leave model.vocab_size unset so it is taken from the data"
+        )
+    per_step = n_devices * config.train.microbatches
+    if config.train.batch_size % per_step:
+        raise ValueError(
+            f"train.batch_size={config.train.batch_size} is not divisible by devices "
+            f"({n_devices}) x microbatches ({config.train.microbatches}); choose a multiple of "
+            f"{per_step}"
+        )
+    if dataset.train.rows < config.train.batch_size:
+        raise ValueError(
+            f"the training split has {dataset.train.rows} rows, fewer than one batch of "
+            f"{config.train.batch_size}; lower train.batch_size or prepare more data"
+        )

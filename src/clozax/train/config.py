@@ -1,7 +1,8 @@
 """Run configuration: frozen dataclasses nested by concern, validated on construction.
 
-A run is ``RunConfig(model, masking, optim, train)``. It loads from a TOML file with
-``[model]``/``[masking]``/``[optim]``/``[train]`` tables, takes ``--set section.key=value``
+A run is ``RunConfig(model, masking, optim, train, phases)``. It loads from a TOML file with
+``[model]``/``[masking]``/``[optim]``/``[train]`` tables (and ``[[phases]]`` tables for a run
+in phases: ``train/phase_config.py``), takes ``--set section.key=value``
 overrides, and a ``--preset`` for the model's shape. Unknown keys are errors that list the
 valid ones. The resolved config is written to every run directory and checkpoint.
 
@@ -23,6 +24,13 @@ from clozax.core.masking import CorruptionPolicy, validate_rate
 from clozax.core.model_config import PRESETS, ModelConfig
 from clozax.core.optim import OPTIMIZERS, SCHEDULES
 from clozax.train.checks import check_bool, check_choice, check_int, check_name, check_real
+from clozax.train.phase_config import (
+    PhaseConfig,
+    as_table_list,
+    phase_masking,
+    phase_names,
+    phases_from_list,
+)
 
 MAX_MASK_RATE = 0.5  # Wettig et al. found up to 0.4 useful for large models
 SEED_LIMIT = 2**32  # jax.random.key folds larger seeds onto smaller ones (2**32 gives seed 0)
@@ -207,6 +215,28 @@ class RunConfig:
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # A run in phases (``train/phases.py``); empty: one stretch of ``train.steps`` updates.
+    phases: tuple[PhaseConfig, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "phases", tuple(self.phases))
+        if not self.phases:
+            return
+        phase_names(self.phases)  # unique
+        refused = {"train.minutes": self.train.minutes is not None,
+                   "--extend-to": bool(self.train.extended_from),
+                   "a decay branch": self.optim.decay_start_step is not None}
+        for what, present in refused.items():
+            if present:
+                raise ValueError(f"{what} cannot be combined with [[phases]]: a run in phases "
+                                 "has the length its phases give; set each phase's steps")
+        for phase in self.phases:
+            if phase.rate is not None:  # the run's masking with the phase's rate (validated)
+                phase_masking(self.masking, phase)
+            if self.model.positions != "rope" and (phase.rope_theta_global or
+                                                   phase.rope_theta_local):
+                raise ValueError("phases.rope_theta_* needs model.positions='rope' (a modern "
+                                 "preset); this model has learned positions")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -245,12 +275,14 @@ def _section_from_dict(name: str, values: dict):
 
 def from_dict(data: dict) -> RunConfig:
     """Build a RunConfig from nested dicts; unknown sections or keys are errors."""
-    unknown = sorted(set(data) - set(SECTIONS))
+    unknown = sorted(set(data) - set(SECTIONS) - {"phases"})
     if unknown:
         raise ValueError(
-            f"unknown config section(s) {unknown}; valid sections: {', '.join(SECTIONS)}"
+            f"unknown config section(s) {unknown}; valid sections: {', '.join(SECTIONS)}, "
+            "phases"
         )
-    return RunConfig(**{name: _section_from_dict(name, data.get(name, {})) for name in SECTIONS})
+    return RunConfig(**{name: _section_from_dict(name, data.get(name, {})) for name in SECTIONS},
+                     phases=phases_from_list(data.get("phases", [])))
 
 
 def _parse_value(text: str):
@@ -279,7 +311,7 @@ def resolve(
     came from ``--init-from``); an explicit ``--preset`` or ``model.*`` override still applies
     and is then checked against the run like any other difference.
     """
-    data: dict[str, dict] = {name: {} for name in SECTIONS}
+    data: dict = {name: {} for name in SECTIONS}
     if run_model is not None:
         data["model"].update(dataclasses.asdict(run_model))
     if run_model is None or preset is not None:
@@ -293,11 +325,14 @@ def resolve(
             loaded = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-        unknown = sorted(set(loaded) - set(SECTIONS))
+        unknown = sorted(set(loaded) - set(SECTIONS) - {"phases"})
         if unknown:
-            raise ValueError(
-                f"unknown config section(s) {unknown} in {path}; valid: {', '.join(SECTIONS)}"
-            )
+            raise ValueError(f"unknown config section(s) {unknown} in {path}; valid: "
+                             f"{', '.join(SECTIONS)}, [[phases]]")
+        if "phases" in loaded:  # a phase's dataset path is relative to the config file
+            data["phases"] = [{**t, "data": str((path.parent / t["data"]).absolute())}
+                              if isinstance(t, dict) and isinstance(t.get("data"), str) else t
+                              for t in as_table_list(loaded.pop("phases"))]
         for name, values in loaded.items():
             if not isinstance(values, dict):
                 raise ValueError(f"[{name}] in {path} must be a table")
@@ -347,30 +382,11 @@ def result_differences(a: RunConfig, b: RunConfig) -> list[str]:
                 continue
             if da[section].get(key) != db[section].get(key):
                 diffs.append(f"{dotted}: {da[section].get(key)!r} -> {db[section].get(key)!r}")
+    for k in range(max(len(da["phases"]), len(db["phases"]))):
+        pa, pb = (d["phases"][k] if k < len(d["phases"]) else None for d in (da, db))
+        if pa != pb and pa and pb:
+            changed = sorted(key for key in pa if pa[key] != pb[key])
+            diffs.append(f"phases[{k}]: {', '.join(changed)}")
+        elif pa != pb:
+            diffs.append(f"phases[{k}]: added or removed")
     return diffs
-
-
-def validate_for_data(config: RunConfig, dataset, n_devices: int) -> None:
-    """Config/data consistency checks that need the dataset, before any compilation."""
-    if dataset.seq_len > config.model.max_positions:
-        raise ValueError(
-            f"dataset seq_len {dataset.seq_len} exceeds model.max_positions="
-            f"{config.model.max_positions}; raise model.max_positions or prepare shorter rows"
-        )
-    if config.model.vocab_size != dataset.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={config.model.vocab_size} does not match the dataset's tokenizer "
-            f"({dataset.vocab_size}); leave model.vocab_size unset so it is taken from the data"
-        )
-    per_step = n_devices * config.train.microbatches
-    if config.train.batch_size % per_step:
-        raise ValueError(
-            f"train.batch_size={config.train.batch_size} is not divisible by devices "
-            f"({n_devices}) x microbatches ({config.train.microbatches}); choose a multiple of "
-            f"{per_step}"
-        )
-    if dataset.train.rows < config.train.batch_size:
-        raise ValueError(
-            f"the training split has {dataset.train.rows} rows, fewer than one batch of "
-            f"{config.train.batch_size}; lower train.batch_size or prepare more data"
-        )

@@ -3,7 +3,12 @@
 ``train`` reads the dataset, builds (or restores) the train state, and runs the jitted step
 (``clozax.train.step``) over batches that are pure functions of the step number, evaluating on
 the frozen held-out set (``clozax.train.heldout``) and checkpointing (``clozax.train.checkpoint``)
-on their cadences.
+on their cadences. A run in phases (``train/phases.py``) trains its plan's segments in order,
+each with its own compiled step, batches and held-out set.
+
+Longer than 400 lines because the loop's stages (set-up, restore, loop, sync point, save,
+finish) still share one function's locals; splitting them into functions a reader can find is
+the house work of the documentation issue (29), not done in the change that added phases.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from clozax.core import files, flops
 from clozax.core import model as model_lib
-from clozax.core.optim import make_optimizer
+from clozax.core.optim import make_optimizer, piecewise_rate
 from clozax.core.pipeline import (
     Keys,
     TrainState,
@@ -34,11 +39,11 @@ from clozax.core.pipeline import (
 )
 from clozax.core.vocab import Vocabulary
 from clozax.data.dataset import open_dataset
-from clozax.data.loader import Prefetcher, batch_rows, host_batch
+from clozax.data.loader import Prefetcher, batch_rows, host_batch, stream_rows
 from clozax.train import checkpoint as ckpt
-from clozax.train import config as config_lib
 from clozax.train import distributed, heldout, hostmem
 from clozax.train.budget import Budget, process_started, steps_for_budget
+from clozax.train.checks import validate_for_data
 from clozax.train.config import RunConfig, schedule_length
 from clozax.train.interrupts import Interrupted, Interrupts
 from clozax.train.mesh import (
@@ -50,8 +55,17 @@ from clozax.train.mesh import (
     state_shardings,
 )
 from clozax.train.observe import Pace, TrainLog
+from clozax.train.phases import (
+    make_plan,
+    mask_step_offset,
+    run_records,
+    segment_config,
+    step_fields,
+    stream_positions,
+)
 from clozax.train.run_dir import (
     CONFIG_FILE,
+    RUN_FILE,
     TOKENIZER_FILE,
     lock_run,
     resolve_run,
@@ -128,16 +142,24 @@ def train(
 def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, stop_after,
            started: float, primary: bool, log: TrainLog,
            interrupts: Interrupts) -> TrainResult:
-    # --- data and the run's config
-    dataset = open_dataset(data_dir)
+    # --- data and the run's config; a run in phases has a plan of segments (train/phases.py)
+    plan, datasets = make_plan(config, data_dir, open_dataset)
+    dataset = datasets[Path(data_dir).absolute()]
     config = config.replace(model=replace(config.model, vocab_size=dataset.vocab_size))
+    if plan.phased:  # the phases give the run's length
+        config = config.replace(train=replace(config.train, steps=plan.total))
     # Every process of a job reads the run directory before the first one writes to it.
     config, existing, extending, init_run = resolve_run(run_dir, config, dataset, init_from,
                                                          extend_to, log.info)
     distributed.barrier("clozax-train-start")
     mesh = make_mesh(config.train.devices)
     n_devices = mesh.devices.size
-    config_lib.validate_for_data(config, dataset, n_devices)
+    validate_for_data(config, dataset, n_devices)
+    for segment in plan.segments if plan.phased else ():
+        validate_for_data(segment_config(config, segment), datasets[segment.data],
+                                     n_devices)
+    phase_records = run_records(plan, datasets, run_dir, (files.read_json(
+        run_dir / RUN_FILE) or {}).get("phases") if existing else None)
     vocab = Vocabulary(dataset.vocab_size, dataset.specials)
     seq_len = dataset.seq_len
     keys = Keys.from_seed(config.train.seed)
@@ -149,20 +171,38 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
     params = init_params(config.model, config.train.seed)
     if init_run is not None:
         params = jax.tree.map(jnp.asarray, init_run.params)
-    optimizer, schedule = make_optimizer(config.optim, config.train.steps, params)
+    rate = piecewise_rate(plan.pieces) if plan.phased else None
+    optimizer, _ = make_optimizer(config.optim, config.train.steps, params, rate)
     state = new_state(params, optimizer)
     shardings = state_shardings(state, mesh, config.train.fsdp)
     state = place(state, shardings)
-    step_fn = jax.jit(make_train_step(config, vocab, seq_len, optimizer, schedule, mesh),
-                      donate_argnums=0, out_shardings=(shardings, replicated))
-    special_table = vocab.special_table()
+    programs: dict[int, object] = {}
 
-    local_rows = process_rows(data_sharding, config.train.batch_size)
+    def step_fn_of(segment):
+        """The segment's jitted step, made when training reaches it (one compile each)."""
+        if segment.start not in programs:
+            seg_config = segment_config(config, segment)
+            seg_optimizer, schedule = make_optimizer(seg_config.optim, config.train.steps,
+                                                     params, rate)
+            programs[segment.start] = jax.jit(
+                make_train_step(seg_config, vocab, segment.seq_len, seg_optimizer, schedule,
+                                mesh, mask_step_offset(config, segment)),
+                donate_argnums=0, out_shardings=(shardings, replicated))
+        return programs[segment.start]
+
+    step_fn = step_fn_of(plan.segments[0])
+    special_table = vocab.special_table()
 
     def device_batch(i: int) -> dict:
         # Batch i is a pure function of i; this process reads only its own rows of it.
-        rows = batch_rows(keys.data, i, dataset.train.rows, config.train.batch_size)[local_rows]
-        batch = host_batch(dataset.train, rows)
+        segment = plan.at(i)
+        split = datasets[segment.data].train
+        if plan.phased:
+            rows = stream_rows(keys.data, *stream_positions(segment, i), split.rows)
+        else:
+            rows = batch_rows(keys.data, i, split.rows, segment.batch_size)
+        rows = rows[process_rows(data_sharding, segment.batch_size)]
+        batch = host_batch(split, rows)
         # Impossible for a dataset of this format (prepare skips documents without a
         # selectable token); checked before the jitted step, which would select nothing.
         eligible = ~special_table[batch["tokens"]] & (batch["segments"] > 0)
@@ -173,19 +213,27 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 "(non-pad, non-special) token, so nothing can be selected; the dataset is "
                 "damaged: re-run `clozax prepare`"
             )
-        return global_batch(data_sharding, batch, config.train.batch_size)
+        return global_batch(data_sharding, batch, segment.batch_size)
 
     # --- held-out evaluation: the frozen set, a keyed sample of it during training, sharded
     masker = make_masker(config.masking, vocab, seq_len)
-    eval_fn = heldout.make_eval_fn(config.model)
+    eval_fns: dict = {}
     eval_batch = math.lcm(64, n_devices)
 
     checkpointer = None
 
-    def evaluate(params, eval_masks, sample) -> dict:
+    def evaluate(params, eval_masks, sample, segment=None) -> dict:
+        """The frozen set's sample (the run's; a phase on another dataset: that phase's)."""
+        model_config, split = config.model, dataset.heldout
+        if segment is not None and plan.phased:
+            model_config = segment_config(config, segment).model
+            split = datasets[segment.data].heldout
+            eval_masks, sample = phase_eval_set(segment, eval_masks, sample)
+        if model_config not in eval_fns:
+            eval_fns[model_config] = heldout.make_eval_fn(model_config)
         try:
-            return heldout.evaluate_masks(params, config.model, dataset.heldout, eval_masks,
-                                          eval_batch, eval_fn, sample,
+            return heldout.evaluate_masks(params, model_config, split, eval_masks,
+                                          eval_batch, eval_fns[model_config], sample,
                                           functools.partial(from_host, data_sharding)).metrics()
         except heldout.NonFiniteScores as e:
             kept = checkpointer.latest_step() if checkpointer is not None else None
@@ -229,6 +277,9 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             "seed": config.train.seed,
             "eval_seed": config.train.eval_seed,
             "init_from": str(Path(init_from).absolute()) if init_from else None,
+            **({"phases": phase_records,
+                "source_trained_length": init_run.trained_length if init_run else 0}
+               if plan.phased else {}),
         })
         files.write_bytes(run_dir / TOKENIZER_FILE, dataset.tokenizer_path.read_bytes())
     elif extending and primary:
@@ -241,6 +292,24 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
     distributed.same_everywhere(heldout.eval_masks_sha256(eval_masks), "frozen held-out set")
     sample = heldout.sample_indices(eval_masks.rows.size, config.train.eval_sample,
                                     config.train.eval_seed)
+    phase_sets: dict = {}
+
+    def phase_eval_set(segment, run_masks, run_sample):
+        """A phase on another dataset is scored on a frozen set of its own held-out rows
+        (``eval_masks_NAME``, the run's masking at that phase's ``seq_len``), built once."""
+        if segment.data == Path(data_dir).absolute():
+            return run_masks, run_sample
+        if segment.data not in phase_sets:
+            other = datasets[segment.data]
+            masks, _ = heldout.ensure_eval_masks(
+                run_dir, other, make_masker(config.masking, vocab, other.seq_len),
+                config.train.eval_seed, config.train.eval_rows, say=log.info, write=primary,
+                stem=f"{heldout.STEM}_{segment.name}")
+            distributed.same_everywhere(heldout.eval_masks_sha256(masks),
+                                        f"phase {segment.name}'s held-out set")
+            phase_sets[segment.data] = (masks, heldout.sample_indices(
+                masks.rows.size, config.train.eval_sample, config.train.eval_seed))
+        return phase_sets[segment.data]
 
     # --- restore
     try:
@@ -259,8 +328,8 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
         if start >= config.train.steps:
             checkpointer.close()
             log.info(f"run {run_dir} already completed {start} steps; nothing to do")
-            return TrainResult(run_dir, start, math.nan, evaluate(state.params, eval_masks,
-                                                                  sample), state)
+            return TrainResult(run_dir, start, math.nan, evaluate(
+                state.params, eval_masks, sample, plan.at(start - 1)), state)
     n_params = model_lib.param_count(params)
     peak, peak_source = flops.peak_flops(jax.devices()[0].device_kind,
                                          config.model.compute_dtype, n_devices,
@@ -277,16 +346,16 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     revisions = dict(t.budget_revisions)
     prefetch = Prefetcher(device_batch, start, end, depth=t.prefetch)
-    tokens_per_step = t.batch_size * seq_len
-    pace = Pace(tokens_per_step, flops.model_flops_per_token(config.model, seq_len), peak,
-                started, end)
+    pace = Pace(t.batch_size * seq_len, flops.model_flops_per_token(config.model, seq_len),
+                peak, started, end)
     eval_rows = eval_masks.rows.size if sample is None else len(sample)
     last_eval, loss, pending, last_save = None, math.nan, [], time.perf_counter()
     try:
         log.start(total=t.steps, completed=start)
         for i, batch in prefetch:
+            segment = plan.at(i)
             with jax.transfer_guard_device_to_host("disallow"):  # no per-step host read
-                state, metrics = step_fn(state, batch, keys.mask)
+                state, metrics = step_fn_of(segment)(state, batch, keys.mask)
             step = i + 1
             if pending:  # one step queued behind the running one, no further (a wait, no read):
                 jax.block_until_ready(pending[-1][1])  # unbounded run-ahead fragmented the heap
@@ -298,13 +367,23 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 pace.begin(step, time.perf_counter(), prefetch.wait_seconds)
                 if budget is not None:
                     budget.mark(step)
+            elif plan.phased and i == segment.start:  # a new segment: its own compile
+                jax.block_until_ready(metrics)
+                log.info(f"phase {segment.name} at step {i}: batch {segment.batch_size} x "
+                         f"{segment.seq_len} tokens (compiled and ran its first step)")
+            if plan.phased and i == segment.start:  # its tokens per step, from after its compile
+                pace.tokens_per_step = segment.batch_size * segment.seq_len
+                pace.flops_per_token = flops.model_flops_per_token(
+                    segment_config(config, segment).model, segment.seq_len)
+                pace.begin(step, time.perf_counter(), prefetch.wait_seconds)
             if step in revisions:  # a recorded budget revision: the same step, the same length
                 state = with_total_steps(state, revisions[step])
-            due_eval = step % t.eval_every == 0 or step == t.steps
+            boundary = plan.phased and step == segment.phase_end  # a phase's last update
+            due_eval = step % t.eval_every == 0 or step == t.steps or boundary
             overdue = (t.save_every_minutes is not None
                        and time.perf_counter() - last_save >= 60 * t.save_every_minutes)
             stop = interrupts.reached(step)  # SIGTERM, SIGINT or a job's preemption notice
-            due_save = step % t.save_every == 0 or step == t.steps or overdue or stop
+            due_save = step % t.save_every == 0 or step == t.steps or overdue or stop or boundary
             due_log = step % t.log_every == 0 or step == end or stop
             if not (due_log or due_eval or due_save):
                 log.advance(step)
@@ -320,7 +399,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             if due_log:
                 m = fetched[-1]
                 record = {
-                    "step": step, "tokens": step * tokens_per_step, "loss": loss,
+                    **step_fields(plan, segment, step), "loss": loss,
                     "lr": float(m["lr"]), "selected": int(m["selected"]),
                     "grad_norm": float(m["grad_norm"]),
                     "data_wait_s": round(prefetch.wait_seconds, 4),
@@ -328,8 +407,9 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 }
             if due_eval:
                 t_eval = time.perf_counter()
-                last_eval = {**evaluate(state.params, eval_masks, sample), "rows": eval_rows}
-                record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
+                last_eval = {**evaluate(state.params, eval_masks, sample, segment),
+                             "rows": eval_rows}
+                record = record or {**step_fields(plan, segment, step), "loss": loss}
                 record["eval"] = last_eval  # on a sample of the frozen set (its rows)
                 spent = time.perf_counter() - t_eval  # one reading for the record and pace
                 record["eval_seconds"] = round(spent, 3)
@@ -345,7 +425,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 if budget is not None:
                     budget.spent_outside(last_save - t_save)
                 pace.exclude(last_save - t_save)
-                record = record or {"step": step, "tokens": step * tokens_per_step, "loss": loss}
+                record = record or {**step_fields(plan, segment, step), "loss": loss}
                 record["checkpoint_seconds"] = round(last_save - t_save, 3)
             if record is not None:
                 log.metrics(record)

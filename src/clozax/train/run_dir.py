@@ -30,6 +30,7 @@ from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train import distributed
 from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
+from clozax.train.phases import model_at, trained_length_at
 
 
 @dataclass
@@ -53,8 +54,10 @@ class LoadedRun:
         """The longest row the run has trained on: positions past it were never trained (for
         learned positions, their table rows are still initial noise). A run records it in
         ``run.json`` (the longer of its dataset's ``seq_len`` and, with ``--init-from``, its
-        source's); older runs and imports fall back to ``seq_len``."""
-        length = self.info.get("trained_length", self.info.get("seq_len"))
+        source's); older runs and imports fall back to ``seq_len``. A run in phases: the longest
+        of the phases that trained this checkpoint (``run.json``'s ``phases``)."""
+        length = trained_length_at(self.info, self.step) or self.info.get(
+            "trained_length", self.info.get("seq_len"))
         return min(int(length or self.config.model.max_positions),
                    self.config.model.max_positions)
 
@@ -249,6 +252,8 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
         warn(f"run {run_dir} is training ({holder.describe()}); using its newest committed "
              f"checkpoint, step {chosen}" + ("" if verified else " (its digest is not "
                                                "recorded yet)"))
+    # A run in phases: the model of the phase that trained this checkpoint (its RoPE bases)
+    config = config.replace(model=model_at(config, info, chosen))
     return LoadedRun(run_dir, config, info, chosen, state.params)
 
 

@@ -82,17 +82,19 @@ def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
 
 
 def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimizer, schedule,
-                    mesh: Mesh | None = None):
+                    mesh: Mesh | None = None, mask_offset: int = 0):
     """The pure train step ``(state, batch, mask_key) -> (state, metrics)`` (not yet jitted).
 
     ``schedule(opt_state)`` gives the learning rate of the update (``make_optimizer``'s second
-    result), reported as ``metrics["lr"]``.
+    result), reported as ``metrics["lr"]``. A masking-rate ramp counts updates from
+    ``mask_offset`` (a phase's first update); the mask key is always ``fold_in(key, step)``.
     """
     loss_and_grads = make_loss_and_grads(config, vocab, seq_len, mesh)
 
     def step(state: TrainState, batch: dict, mask_key):
         total, count, grad_sum = loss_and_grads(
-            state.params, batch, jax.random.fold_in(mask_key, state.step), state.step
+            state.params, batch, jax.random.fold_in(mask_key, state.step),
+            state.step - mask_offset if mask_offset else state.step,
         )
         # One division, after every microbatch and device has contributed. Every row has an
         # eligible token (checked on the host), so count >= batch; the guard only avoids a NaN.

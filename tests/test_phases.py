@@ -1,0 +1,270 @@
+"""A run in phases: the config's [[phases]], the plan, the piecewise learning rate, the row
+stream, and one two-phase run (32 -> 64 tokens, StableAdamW, WSD, a mask ramp and a batch
+ramp, RoPE theta raised) resumed before, at and after its boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from clozax.core import optim as optim_lib
+from clozax.data.dataset import open_dataset
+from clozax.data.loader import epoch_permutation, stream_rows
+from clozax.train import config as config_lib
+from clozax.train import loop as train_lib
+from clozax.train.phase_config import PhaseConfig
+from clozax.train.phases import batch_stages, make_plan
+from clozax.train.recipes import apply_recipe
+from clozax.train.run_dir import load_run
+
+# --------------------------------------------------------------------------- config
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_phases_load_from_toml_tables_with_data_paths_relative_to_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    cfg = config_lib.resolve(_toml(tmp_path / "sub", """
+[[phases]]
+steps = 10
+[[phases]]
+name = "long"
+data = "../d512"
+tokens = 4096
+"""))
+    assert [p.steps for p in cfg.phases] == [10, None] and cfg.phases[1].tokens == 4096
+    assert cfg.phases[1].data == str((tmp_path / "sub" / ".." / "d512").absolute())
+    assert config_lib.from_dict(json.loads(cfg.to_json())) == cfg  # config.json round trip
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[[phases]]\nsteps = 3\ntokens = 9\n", "exactly one of steps and tokens"),
+    ("[[phases]]\n", "exactly one of steps and tokens"),
+    ("[[phases]]\nsteps = 3\nlr = 1.0\n", "unknown phases key(s) ['lr']; valid phases keys"),
+    ("[[phases]]\nsteps = 3\nbatch_start = 4\n", "batch_start and phases.batch_ramp_steps"),
+    ("[[phases]]\nsteps = 3\nbatch_start = 8\nbatch_ramp_steps = 2\nbatch_size = 8\n",
+     "not below phases.batch_size=8"),
+    ("[[phases]]\nsteps = 3\nrate_end = 0.15\n", "without phases.rate"),
+    ("[[phases]]\nsteps = 3\nrate = 0.9\n", "outside (0, 0.5]"),
+    ("[[phases]]\nsteps = 3\ndecay = \"exp\"\n", "phases.decay='exp' is not one of"),
+    ("[[phases]]\nsteps = 3\nwarmup_steps = 3\n", "not shorter than the phase"),
+    ("[[phases]]\nsteps = 3\nrope_theta_global = 1e6\n", "needs model.positions='rope'"),
+    ("[train]\nminutes = 2.0\n[[phases]]\nsteps = 3\n", "train.minutes cannot be combined"),
+    ("[[phases]]\nname = \"a\"\nsteps = 3\n[[phases]]\nname = \"a\"\nsteps = 3\n",
+     "used twice"),
+])
+def test_a_bad_phase_table_is_one_line_naming_the_key(tmp_path, text, words):
+    with pytest.raises(ValueError) as e:
+        config_lib.resolve(_toml(tmp_path, text))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _fake(seq_len: int, rows: int = 1000, tokenizer: str = "t"):
+    return SimpleNamespace(seq_len=seq_len, tokenizer_sha256=tokenizer,
+                           train=SimpleNamespace(rows=rows))
+
+
+def test_a_batch_ramp_is_growing_stages_rounded_to_a_common_unit():
+    ramp = PhaseConfig(steps=20, batch_start=768, batch_ramp_steps=8, batch_size=4608)
+    # ModernBERT's 768 -> 4,608 in 4 stages of 2 updates, multiples of gcd = 768
+    assert batch_stages(ramp, 4608) == [(2, 768), (2, 1536), (2, 2304), (2, 3072)]
+    small = PhaseConfig(steps=20, batch_start=4, batch_ramp_steps=6, batch_ramp_stages=3)
+    assert batch_stages(small, 8) == [(6, 4)]  # 4, 5 -> 4, 6 -> 4: one stage, one compile
+
+
+def test_the_plan_gives_each_segment_its_rows_and_a_tokens_length_its_steps(tmp_path):
+    data = {tmp_path / "a": _fake(32), tmp_path / "b": _fake(64)}
+    for path in data:
+        path.mkdir()
+    cfg = config_lib.RunConfig(train=config_lib.TrainConfig(batch_size=8), phases=(
+        PhaseConfig(steps=10, batch_start=4, batch_ramp_steps=4, batch_ramp_stages=2),
+        PhaseConfig(data=str(tmp_path / "b"), tokens=64 * 8 * 3 + 1),  # 3 steps and a token
+        PhaseConfig(steps=2)))
+    plan, opened = make_plan(cfg, tmp_path / "a", lambda p: data[Path(p)])
+    got = [(s.phase, s.start, s.end, s.batch_size, s.seq_len, s.row_start) for s in plan.segments]
+    assert got == [(0, 0, 4, 4, 32, 0), (0, 4, 10, 8, 32, 16),
+                   (1, 10, 14, 8, 64, 0),  # its own dataset's stream starts at 0
+                   (2, 14, 16, 8, 32, 64)]  # the first dataset's stream goes on after 16 + 48
+    assert plan.total == 16 and plan.at(13).phase == 1 and plan.at(14).phase == 2
+    assert plan.tokens_through(5) == 4 * 4 * 32 + 8 * 32
+    assert [p["batch_sizes"] for p in plan.phases()] == [[[0, 4], [4, 8]], [[10, 8]], [[14, 8]]]
+    other = {**data, tmp_path / "b": _fake(64, tokenizer="other")}
+    with pytest.raises(ValueError, match="another tokenizer than"):
+        make_plan(cfg, tmp_path / "a", lambda p: other[Path(p)])
+
+
+def test_the_row_stream_reads_every_row_once_per_epoch_whatever_the_batch_sizes():
+    rows, seed = 37, 5
+    sizes = [4, 4, 8, 8, 8, 16, 16, 16, 16]  # 96 rows: 2 epochs and 22 more
+    got, at = [], 0
+    for b in sizes:
+        got.append(stream_rows(seed, at, b, rows))
+        at += b
+    stream = np.concatenate(got)
+    for e in range(2):
+        np.testing.assert_array_equal(stream[e * rows:(e + 1) * rows],
+                                      epoch_permutation(seed, e, rows))
+    np.testing.assert_array_equal(stream_rows(seed, 30, 20, rows), stream[30:50])  # pure
+
+
+# --------------------------------------------------------------------------- learning rate
+
+
+def test_a_one_piece_schedule_is_the_classic_learning_rate():
+    optim = config_lib.OptimConfig(warmup_steps=3, schedule="1-sqrt", decay_fraction=0.4,
+                                   end_lr_fraction=0.02)
+    piece = optim_lib.RatePiece(0, 20, 1e-3, 3, "1-sqrt", 0.4, 2e-5)
+    counts = np.arange(20)
+    np.testing.assert_allclose(optim_lib.piecewise_rate((piece,))(counts),
+                               optim_lib.learning_rate(optim, counts, 20), rtol=0, atol=1e-9)
+
+
+def test_each_phase_has_its_closed_form_piece_and_warms_up_from_where_the_last_ended():
+    cfg = config_lib.RunConfig(optim=config_lib.OptimConfig(warmup_steps=2, schedule="cosine",
+                                                            end_lr_fraction=0.1), phases=(
+        PhaseConfig(steps=6, decay="linear", decay_fraction=0.5, end_lr_fraction=0.5),
+        PhaseConfig(steps=4, learning_rate=2e-3, warmup_steps=2),
+        PhaseConfig(steps=5)))
+    data = {Path("/d").absolute(): _fake(32)}
+    plan, _ = make_plan(cfg, Path("/d"), lambda p: data[Path(p)])
+    lr = np.asarray(optim_lib.piecewise_rate(plan.pieces)(np.arange(15)))
+    peak = 1e-3
+    # phase 1: warm-up 0, 1/2; stable 1e-3 until 4 = 6 - 0.5 * (6 - 2); linear to 5e-4 at 6
+    expected = [0, peak / 2, peak, peak, peak, peak - (peak / 2) * 0.5]
+    # phase 2 warms up from the rate phase 1 ended at (5e-4) to 2e-3, no decay (not last)
+    expected += [5e-4, 5e-4 + (2e-3 - 5e-4) / 2, 2e-3, 2e-3]
+    # phase 3 (last): optim's cosine over its steps from 1e-3 to 1e-4, no warm-up
+    frac = np.arange(5) / 5
+    expected += list(1e-4 + (peak - 1e-4) * 0.5 * (1 + np.cos(np.pi * frac)))
+    np.testing.assert_allclose(lr, expected, rtol=2e-6, atol=1e-10)
+
+
+def test_the_modernbert_recipe_scales_its_phases_to_the_run():
+    cfg = apply_recipe("modernbert", config_lib.resolve(
+        preset="tiny", overrides=["train.steps=100", "train.batch_size=32"]))
+    assert cfg.optim.optimizer == "stable_adamw" and cfg.optim.learning_rate == 8e-4
+    assert (cfg.optim.b1, cfg.optim.b2, cfg.optim.eps, cfg.optim.weight_decay) == (
+        0.9, 0.98, 1e-6, 1e-5)
+    assert cfg.masking.rate == 0.3
+    stable, decay = cfg.phases
+    assert (stable.steps, stable.batch_start, stable.batch_ramp_steps) == (90, 8, 10)
+    assert (decay.steps, decay.decay) == (10, "1-sqrt") and cfg.optim.end_lr_fraction == 0.02
+    with pytest.raises(ValueError, match="unknown recipe 'bert'"):
+        apply_recipe("bert", cfg)
+    with pytest.raises(ValueError, match="--recipe and \\[\\[phases\\]\\] both given"):
+        apply_recipe("modernbert", cfg)
+
+
+# --------------------------------------------------------------------------- a run
+
+
+PHASED = """
+[optim]
+optimizer = "stable_adamw"
+schedule = "1-sqrt"
+end_lr_fraction = 0.02
+warmup_steps = 2
+[train]
+batch_size = 8
+eval_every = 100
+save_every = 100
+eval_rows = 32
+log_every = 1
+[[phases]]
+name = "short"
+steps = 6
+batch_start = 4
+batch_ramp_steps = 4
+batch_ramp_stages = 2
+rate = 0.4
+rate_end = 0.15
+ramp_steps = 4
+[[phases]]
+name = "long"
+data = "DATA64"
+steps = 4
+rope_theta_global = 320000.0
+warmup_steps = 1
+learning_rate = 5e-4
+"""
+
+
+@pytest.fixture(scope="module")
+def data32(stdlib_data, tmp_path_factory) -> Path:
+    """The built-in corpus in 32-token rows with ``stdlib_data``'s (64-token) tokenizer."""
+    from clozax.data import prepare
+
+    out = tmp_path_factory.mktemp("data") / "stdlib32"
+    prepare(out, corpus="stdlib", seq_len=32, tokenizer=stdlib_data / "tokenizer.json",
+            quiet=True)
+    return out
+
+
+def _params_equal(a: Path, b: Path) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
+        jax.tree.leaves(load_run(a).params), jax.tree.leaves(load_run(b).params), strict=True))
+
+
+@pytest.mark.slow
+def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_exports(
+        stdlib_data, data32, tmp_path, capsys):
+    from clozax import interop
+    from clozax.cli import main
+
+    toml = _toml(tmp_path, PHASED.replace("DATA64", str(stdlib_data)))
+    cfg = config_lib.resolve(toml, preset="modern-tiny")
+    whole = tmp_path / "whole"
+    train_lib.train(data32, whole, cfg)
+    lines = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["phase"], r["phase_step"]) for r in lines] == [
+        *((s, "short", s) for s in range(1, 7)), *((s, "long", s - 6) for s in range(7, 11))]
+    # the mask ramp 0.4 -> 0.15 over the first phase's 4 updates, at 32 tokens (13, 11, 9, 7,
+    # then 5 a row), on batches of 4 (updates 1-4) then 8; the second phase at the run's 30 %
+    # of 64 tokens (19 a row)
+    assert [r["selected"] for r in lines] == [4 * 13, 4 * 11, 4 * 9, 4 * 7, 8 * 5, 8 * 5,
+                                              *[8 * 19] * 4]
+    assert lines[-1]["tokens"] == 4 * 4 * 32 + 2 * 8 * 32 + 4 * 8 * 64
+    pieces = make_plan(cfg, data32, open_dataset)[0].pieces
+    np.testing.assert_allclose([r["lr"] for r in lines],
+                               optim_lib.piecewise_rate(pieces)(np.arange(10)), rtol=1e-6)
+    assert (whole / "checkpoints" / "6").is_dir()  # the boundary is saved
+    assert (whole / "eval_masks_long.npz").is_file() and "eval" in lines[5] and "eval" in lines[9]
+    # killed before (after 5), at (after 6) and after (after 7) the boundary, each time resumed
+    chain = tmp_path / "chain"
+    every = cfg.replace(train=dataclasses.replace(cfg.train, save_every=1))  # speed-only
+    for stop in (5, 6, 7, None):
+        train_lib.train(data32, chain, every, stop_after=stop)
+        if stop is not None:
+            assert load_run(chain).step == stop
+    assert _params_equal(whole, chain)
+    # a checkpoint's model and trained length are its phase's
+    first, last = load_run(whole, step=6), load_run(whole)
+    assert (first.trained_length, first.config.model.rope_theta_global) == (32, 160_000.0)
+    assert (last.trained_length, last.config.model.rope_theta_global) == (64, 320_000.0)
+    out = interop.export_run(whole, tmp_path / "hf")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["global_rope_theta"] == 320_000.0
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    # resuming with another phase plan is refused in one line, nothing trained
+    capsys.readouterr()
+    toml.write_text(PHASED.replace("DATA64", str(stdlib_data)).replace("steps = 4\n",
+                                                                       "steps = 5\n"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(data32), "--out", str(whole), "--config", str(toml),
+              "--preset", "modern-tiny"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error:") and "\n" not in err
+    assert "phases[1]: steps" in err
