@@ -57,6 +57,22 @@ if env("CLOZAX_TEST_STEP_SECONDS"):  # every step takes at least this long
         return real_next(self)
     loader.Prefetcher.__next__ = slow_next
 
+if env("CLOZAX_TEST_GATE"):  # "FILE:N:STEP": step STEP waits (up to 120 s) for N lines in FILE
+    from clozax.data import loader
+    gate_file, gate_lines, gate_step = env("CLOZAX_TEST_GATE").rsplit(":", 2)
+    gated_next = loader.Prefetcher.__next__
+    def gate_next(self):
+        deadline = time.time() + 120
+        while self._next >= int(gate_step) and time.time() < deadline:
+            try:
+                if len(open(gate_file).read().splitlines()) >= int(gate_lines):
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.05)
+        return gated_next(self)
+    loader.Prefetcher.__next__ = gate_next
+
 if env("CLOZAX_TEST_SAVE_SECONDS"):  # every checkpoint's background write held open
     import orbax.checkpoint as ocp
     hold = float(env("CLOZAX_TEST_SAVE_SECONDS"))

@@ -49,7 +49,7 @@ from pathlib import Path
 from clozax.judge.evaluate import evaluate_run
 from clozax.judge.fill import fill
 
-run, done = Path(sys.argv[1]), Path(sys.argv[2])
+run, done, progress = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 outcomes = []
 while not done.exists():
     try:
@@ -60,6 +60,8 @@ while not done.exists():
         outcomes.append("ok")
     except ValueError as e:
         outcomes.append(str(e))
+    with open(progress, "a") as f:  # the trainer's gate counts these
+        f.write("read\n")
 print("\n".join(outcomes))
 """
 
@@ -70,14 +72,17 @@ def watched(stdlib_data, tmp_path_factory) -> dict:
     ``evaluate`` read it in a loop (their file writes recorded)."""
     root = tmp_path_factory.mktemp("crash")
     out, done, writes = root / "watched", root / "trainer-done", root / "writes"
-    # 0.2 s a step: the readers' process (imports, restores, compiles) gets ~5 s of training
-    # to read beside, also on a loaded machine (at 0.1 s a clean-clone run beside a benchmark
-    # read only twice).
+    progress = root / "reads"
+    # 0.2 s a step, and step 12 waits until the readers have read 3 times: on a loaded machine
+    # their process (imports, restores, compiles) once needed longer than the whole training
+    # (two reads, at 0.1 s and at 0.2 s a step), so time alone cannot promise the overlap.
     trainer = faults.start(_train(stdlib_data, out, "--set", "train.save_every=2"),
-                           {**ASYNC, "CLOZAX_TEST_STEP_SECONDS": "0.2"})
+                           {**ASYNC, "CLOZAX_TEST_STEP_SECONDS": "0.2",
+                            "CLOZAX_TEST_GATE": f"{progress}:3:12"})
     assert faults.wait_for(trainer, lambda: bool(faults.steps_dirs(out)), 120)
     readers = subprocess.Popen(
-        [sys.executable, "-c", faults.HOOKS + READERS, str(out), str(done)], cwd=faults.ROOT,
+        [sys.executable, "-c", faults.HOOKS + READERS, str(out), str(done), str(progress)],
+        cwd=faults.ROOT,
         env={**os.environ, "CLOZAX_TEST_AUDIT_WRITES": str(writes)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     live = _status(out)  # beside the trainer and the readers, as a user checking on a job
@@ -113,7 +118,7 @@ def test_readers_beside_a_trainer_that_saves_every_other_step_never_disturb_it(w
         (outcomes, reader_err[-2000:])
     assert "is training" in reader_err and "using its newest committed checkpoint" in reader_err
     # The readers wrote only evaluate's own result files (atomically: a temporary, a rename):
-    # the newest step's at the top, each step's in history/.
+    # the newest step's at the top, each step's in history/ (made by the first evaluate).
     out = watched["run"]
     log = watched["writes"]
     written = {Path(line.split(" ", 1)[1])
@@ -121,8 +126,10 @@ def test_readers_beside_a_trainer_that_saves_every_other_step_never_disturb_it(w
     inside = {p for p in written if p.is_relative_to(out)}
     names = {(p.parent.relative_to(out).as_posix(), p.name.split(".tmp-")[0].lstrip("."))
              for p in inside}
-    assert {n for where, n in names if where == "."} <= {"eval.json", "failures.jsonl"}
-    assert all(where == "." or where == "history" and re.fullmatch(r"eval-\d+\.json", n)
+    assert {n for where, n in names if where == "."} <= {"eval.json", "failures.jsonl",
+                                                         "history"}
+    per_step = r"eval-\d+\.json|failures-\d+\.jsonl"
+    assert all(where == "." or where == "history" and re.fullmatch(per_step, n)
                for where, n in names), names
     # (That the watched run's numbers are an undisturbed run's: the next test ends equal.)
 

@@ -19,7 +19,7 @@ from clozax.data.loader import epoch_permutation, stream_rows
 from clozax.train import config as config_lib
 from clozax.train import loop as train_lib
 from clozax.train.phase_config import PhaseConfig
-from clozax.train.phases import batch_stages, make_plan
+from clozax.train.phases import batch_stages, make_plan, tokens_at
 from clozax.train.recipes import apply_recipe
 from clozax.train.run_dir import load_run
 
@@ -237,6 +237,8 @@ def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_ex
     assert [r["selected"] for r in lines] == [4 * 13, 4 * 11, 4 * 9, 4 * 7, 8 * 5, 8 * 5,
                                               *[8 * 19] * 4]
     assert lines[-1]["tokens"] == 4 * 4 * 32 + 2 * 8 * 32 + 4 * 8 * 64
+    info = json.loads((whole / "run.json").read_text())
+    assert [tokens_at(info, r["step"]) for r in lines] == [r["tokens"] for r in lines]
     pieces = make_plan(cfg, data32, open_dataset)[0].pieces
     np.testing.assert_allclose([r["lr"] for r in lines],
                                optim_lib.piecewise_rate(pieces)(np.arange(10)), rtol=1e-6)
@@ -268,3 +270,53 @@ def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_ex
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error:") and "\n" not in err
     assert "phases[1]: steps" in err
+
+
+TWO = """
+[optim]
+schedule = "1-sqrt"
+[train]
+batch_size = 8
+eval_every = 100
+save_every = 2
+keep_checkpoints = 10
+log_every = 1
+eval_rows = 32
+[[phases]]
+steps = 6
+rate = 0.3
+rate_end = 0.15
+ramp_steps = 2
+[[phases]]
+steps = 4
+"""
+
+
+def test_a_decay_branch_of_a_run_in_phases_equals_its_phases_trained_from_scratch(
+        stdlib_data, tmp_path, capsys):
+    from clozax.cli import main
+
+    source = tmp_path / "run"
+    train_lib.train(stdlib_data, source, config_lib.resolve(
+        _toml(tmp_path, TWO), preset="tiny", overrides=["optim.warmup_steps=2"]))
+    main(["train", "--data", str(stdlib_data), "--out", str(tmp_path / "branch"),
+          "--decay-from", str(source), "--step", "4", "--steps", "3"])
+    assert "steps 4->7" in capsys.readouterr().err  # from RUN's step 4, not from 0
+    branched = load_run(tmp_path / "branch")
+    first, decay = branched.config.phases
+    assert (first.steps, decay.steps, decay.decay, decay.rate) == (4, 3, "1-sqrt", 0.15)
+    fresh = tmp_path / "fresh"
+    train_lib.train(stdlib_data, fresh, branched.config)
+    assert _params_equal(tmp_path / "branch", fresh)
+    lrs = [json.loads(line)["lr"] for line in (fresh / "metrics.jsonl").read_text().splitlines()
+           if "lr" in json.loads(line)]
+    assert lrs[3] == pytest.approx(1e-3) and lrs[-1] < 1e-3  # stable at 4, decaying by 7
+    capsys.readouterr()
+    for step, words in (("2", "inside phase phase1's warm-up"),
+                        ("8", "inside phase phase2's own decay"),
+                        ("5", "no checkpoint of step 5")):
+        with pytest.raises(SystemExit):
+            main(["train", "--data", str(stdlib_data), "--out", str(tmp_path / f"bad{step}"),
+                  "--decay-from", str(source), "--step", step, "--steps", "2"])
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err, err

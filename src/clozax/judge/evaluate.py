@@ -40,6 +40,7 @@ from clozax.train.heldout import (
     mask_arrays,
 )
 from clozax.train.mesh import evaluation_placement
+from clozax.train.phases import tokens_at
 from clozax.train.run_dir import load_run, open_run_dataset, warn
 
 EVAL_FILE = "eval.json"
@@ -225,7 +226,8 @@ def evaluate_run(run_dir: Path, *, mask_seed: int | None = None, failures: int =
         "dataset": str(dataset.path),
         "step": run.step,
         "checkpoint_step": run.step,
-        "tokens_seen": run.step * cfg.train.batch_size * dataset.seq_len,
+        "tokens_seen": tokens_at(run.info, run.step) or run.step * cfg.train.batch_size
+        * dataset.seq_len,
         "set": "full" if full else "frozen",
         "eval_masks_sha256": scored["sha256"] if full else meta["sha256"],
         "trained": trained_metrics,

@@ -225,7 +225,7 @@ class RunConfig:
         phase_names(self.phases)  # unique
         refused = {"train.minutes": self.train.minutes is not None,
                    "--extend-to": bool(self.train.extended_from),
-                   "a decay branch": self.optim.decay_start_step is not None}
+                   "optim.decay_start_step": self.optim.decay_start_step is not None}
         for what, present in refused.items():
             if present:
                 raise ValueError(f"{what} cannot be combined with [[phases]]: a run in phases "

@@ -231,6 +231,17 @@ def trained_length_at(info: dict, step: int) -> int | None:
     return max(max(done), int(info.get("source_trained_length") or 0))
 
 
+def tokens_at(info: dict, step: int) -> int | None:
+    """Training tokens in the first ``step`` updates of a run in phases, from ``run.json``'s
+    ``phases`` (None for a run without phases: batch x seq_len x step holds)."""
+    total = 0
+    for phase in info.get("phases") or []:
+        starts = [*phase["batch_sizes"][1:], [phase["end"], 0]]
+        for (start, size), (end, _) in zip(phase["batch_sizes"], starts, strict=True):
+            total += max(0, min(step, end) - start) * size * phase["seq_len"]
+    return total if info.get("phases") else None
+
+
 def model_at(config: RunConfig, info: dict, step: int):
     """The model config checkpoint ``step`` of a run in phases was trained with (its phase's
     RoPE bases); the run's own for a run without phases."""
