@@ -156,8 +156,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
     n_devices = mesh.devices.size
     validate_for_data(config, dataset, n_devices)
     for segment in plan.segments if plan.phased else ():
-        validate_for_data(segment_config(config, segment), datasets[segment.data],
-                                     n_devices)
+        validate_for_data(segment_config(config, segment), datasets[segment.data], n_devices)
     phase_records = run_records(plan, datasets, run_dir, (files.read_json(
         run_dir / RUN_FILE) or {}).get("phases") if existing else None)
     vocab = Vocabulary(dataset.vocab_size, dataset.specials)
@@ -193,6 +192,8 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
     step_fn = step_fn_of(plan.segments[0])
     special_table = vocab.special_table()
 
+    local_rows = functools.cache(functools.partial(process_rows, data_sharding))
+
     def device_batch(i: int) -> dict:
         # Batch i is a pure function of i; this process reads only its own rows of it.
         segment = plan.at(i)
@@ -201,7 +202,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             rows = stream_rows(keys.data, *stream_positions(segment, i), split.rows)
         else:
             rows = batch_rows(keys.data, i, split.rows, segment.batch_size)
-        rows = rows[process_rows(data_sharding, segment.batch_size)]
+        rows = rows[local_rows(segment.batch_size)]
         batch = host_batch(split, rows)
         # Impossible for a dataset of this format (prepare skips documents without a
         # selectable token); checked before the jitted step, which would select nothing.
@@ -231,10 +232,11 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
             eval_masks, sample = phase_eval_set(segment, eval_masks, sample)
         if model_config not in eval_fns:
             eval_fns[model_config] = heldout.make_eval_fn(model_config)
+        rows = eval_masks.rows.size if sample is None else len(sample)
         try:
-            return heldout.evaluate_masks(params, model_config, split, eval_masks,
-                                          eval_batch, eval_fns[model_config], sample,
-                                          functools.partial(from_host, data_sharding)).metrics()
+            return {**heldout.evaluate_masks(
+                params, model_config, split, eval_masks, eval_batch, eval_fns[model_config],
+                sample, functools.partial(from_host, data_sharding)).metrics(), "rows": rows}
         except heldout.NonFiniteScores as e:
             kept = checkpointer.latest_step() if checkpointer is not None else None
             raise TrainingDiverged(f"{e}; the last good checkpoint is step {kept}") from None
@@ -348,7 +350,6 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
     prefetch = Prefetcher(device_batch, start, end, depth=t.prefetch)
     pace = Pace(t.batch_size * seq_len, flops.model_flops_per_token(config.model, seq_len),
                 peak, started, end)
-    eval_rows = eval_masks.rows.size if sample is None else len(sample)
     last_eval, loss, pending, last_save = None, math.nan, [], time.perf_counter()
     try:
         log.start(total=t.steps, completed=start)
@@ -407,8 +408,7 @@ def _train(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sto
                 }
             if due_eval:
                 t_eval = time.perf_counter()
-                last_eval = {**evaluate(state.params, eval_masks, sample, segment),
-                             "rows": eval_rows}
+                last_eval = evaluate(state.params, eval_masks, sample, segment)
                 record = record or {**step_fields(plan, segment, step), "loss": loss}
                 record["eval"] = last_eval  # on a sample of the frozen set (its rows)
                 spent = time.perf_counter() - t_eval  # one reading for the record and pace
