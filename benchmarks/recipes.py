@@ -30,6 +30,7 @@ epochs: the demo's protocol, without its random-init control). Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -46,6 +47,7 @@ from clozax.train import compile_cache  # noqa: E402
 from clozax.train import config as config_lib  # noqa: E402
 from clozax.train import loop as train_lib  # noqa: E402
 from clozax.train.phase_config import PhaseConfig  # noqa: E402
+from clozax.train.phases import batch_stages  # noqa: E402
 
 BATCH, RAMP_START = 32, 8
 DATA = {"corpus": "stdlib", "vocab_size": 8192, "seq_len": 128}
@@ -60,7 +62,10 @@ def shapes(recipe: str) -> list[tuple[float, int, int]]:
     """``(share of the updates, batch, row length)`` of the recipe's segments."""
     if recipe in "abc":
         return [(1.0, BATCH, 128)]
-    ramp = [(0.05, 8, 128), (0.05, 14 // 8 * 8, 128), (0.05, 16, 128), (0.05, 24, 128)]
+    # the ramp's stages as the trainer cuts them (20 % of the updates from 8 to 32)
+    probe = PhaseConfig(name="main", steps=100, batch_start=RAMP_START, batch_ramp_steps=20,
+                        batch_size=BATCH)
+    ramp = [(n / 100, size, 128) for n, size in batch_stages(probe, BATCH)]
     if recipe == "d":
         return [*ramp, (0.8, BATCH, 128)]
     return [*ramp, (0.6, BATCH, 128), (0.2, 8, 512)]
@@ -78,8 +83,6 @@ def recipe_config(recipe: str, steps: int, seed: int, data512: Path) -> config_l
     if recipe < "d":
         return cfg
     # phases: the batch ramp (and the extension); the WSD decay as the last phase's piece
-    import dataclasses
-
     ext = steps // 5 if recipe == "e" else 0
     main = PhaseConfig(name="main", steps=steps - ext, batch_start=RAMP_START,
                        batch_ramp_steps=steps // 5, batch_size=BATCH, rate=0.3, rate_end=0.15,

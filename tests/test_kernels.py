@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax.core import kernels, model_config
+from clozax.core import kernels, layers, model_config, objective
 from clozax.core import model as model_lib
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 16, 2, 8
@@ -22,10 +22,11 @@ def _inputs_matmul(fan_in, fan_out):
     return (x, w), (3, 5, fan_out)
 
 
-def _inputs_attention(mask):
-    q, k, v = (jax.random.normal(key, (BATCH, SEQ, HEADS, HEAD_DIM))
-               for key in jax.random.split(jax.random.key(4), 3))
-    return (q, k, v, mask), (BATCH, SEQ, HEADS, HEAD_DIM)
+def _inputs_attention(mask, head_dim=HEAD_DIM, queries=SEQ):
+    kq, kk, kv = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(kq, (BATCH, queries, HEADS, head_dim))
+    k, v = (jax.random.normal(key, (BATCH, SEQ, HEADS, head_dim)) for key in (kk, kv))
+    return (q, k, v, mask), (BATCH, queries, HEADS, head_dim)
 
 
 def _inputs_decode():
@@ -44,8 +45,21 @@ CASES = {
                                _inputs_attention(KEY_PADDING)),
     "attention, masked rows": (kernels.attention, kernels.plain_attention,
                                _inputs_attention(ROWS_MASKED)),
+    # Rows long against head_dim (16 x 16 scores, 16 x 4 operands): the backward transposes
+    # dC and Q, not P and dS; also with fewer queries than keys (the sparse last block).
+    "attention, long rows": (kernels.attention, kernels.plain_attention,
+                             _inputs_attention(KEY_PADDING, head_dim=4)),
+    "attention, long rows, 5 queries": (kernels.attention, kernels.plain_attention,
+                                        _inputs_attention(KEY_PADDING, head_dim=4, queries=5)),
     "decode": (kernels.decode, kernels.plain_decode, _inputs_decode()),
 }
+
+
+def test_the_attention_backward_transposes_the_smaller_side():
+    assert kernels._transposes_scores(128, 128, 64)  # seq 128: P is 128 x 128, dC 128 x 64
+    assert not kernels._transposes_scores(1024, 1024, 64)  # seq 1024: P is 8x dC and Q
+    assert not kernels._transposes_scores(*_inputs_attention(KEY_PADDING, 4)[0][0].shape[1:2],
+                                          SEQ, 4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -147,3 +161,59 @@ def test_bf16_train_matmuls_reach_the_cpu_library_as_bf16_with_float32_results()
     assert len(types) >= 20  # forward and backward matmuls of 2 layers and the head
     assert set(types) == {("bf16", "bf16", "f32")}, sorted(set(types))
     jax.block_until_ready(compiled(params))  # and it runs
+
+
+def _vjp(f, args, cotangent):
+    y, pull = jax.vjp(f, *args)
+    return (y, *pull(cotangent))
+
+
+def test_geglu_value_and_gradient_equal_autodiff_of_the_plain_version():
+    """Float32 throughout: the hand-written derivative Phi(a) + a phi(a) of exact-erf GELU
+    against autodiff's."""
+    u = 3.0 * jax.random.normal(jax.random.key(7), (3, 5, 2 * 12))
+    dy = jax.random.normal(jax.random.key(8), (3, 5, 12))
+    fast = jax.jit(lambda u: _vjp(layers.geglu, (u,), dy))(u)
+    plain = jax.jit(lambda u: _vjp(layers.plain_geglu, (u,), dy))(u)
+    for a, b in zip(fast, plain, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
+                                   atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_split_qkv_gradient_is_the_three_cotangents_stacked():
+    qkv = jax.random.normal(jax.random.key(9), (2, 7, 3, HEADS, HEAD_DIM))
+    cotangents = tuple(jax.random.normal(k, (2, 7, HEADS, HEAD_DIM))
+                       for k in jax.random.split(jax.random.key(10), 3))
+    fast = _vjp(model_lib.split_qkv, (qkv,), cotangents)
+    plain = _vjp(lambda t: (t[:, :, 0], t[:, :, 1], t[:, :, 2]), (qkv,), cotangents)
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_masked_nll_value_and_logit_gradient_equal_autodiff_of_log_softmax():
+    """The (sum, count) objective with its hand-written gradient (softmax - onehot at the
+    selected positions, zero elsewhere) against autodiff through ``log_softmax``. An
+    unselected position with a non-finite logit leaves the gradient finite (autodiff of the
+    plain version gives NaN there: 0 times the NaN of its own log-softmax)."""
+    logits = 4.0 * jax.random.normal(jax.random.key(11), (3, 6, 50))
+    targets = jax.random.randint(jax.random.key(12), (3, 6), 0, 50)
+    selected = jax.random.bernoulli(jax.random.key(13), 0.6, (3, 6)).at[0, 1].set(False)
+
+    @jax.jit
+    def pulled(logits):
+        out = []
+        for f in (objective.masked_nll, objective.plain_masked_nll):
+            (total, count), pull = jax.vjp(lambda x, f=f: f(x, targets, selected), logits)
+            out.append((total, count, pull((jnp.float32(1.7),
+                                            np.zeros((), jax.dtypes.float0)))[0]))
+        return out
+
+    fast, plain = pulled(logits)
+    assert int(fast[1]) == int(plain[1]) == int(selected.sum())
+    np.testing.assert_allclose(float(fast[0]), float(plain[0]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(fast[2]), np.asarray(plain[2]), rtol=0, atol=1e-6)
+    assert not np.asarray(fast[2])[~np.asarray(selected)].any()
+
+    fast, plain = pulled(logits.at[0, 1, 7].set(jnp.inf))  # an unselected position
+    np.testing.assert_allclose(float(fast[0]), float(plain[0]), rtol=1e-6)
+    assert np.isfinite(np.asarray(fast[2])).all() and not np.asarray(fast[2])[0, 1].any()

@@ -9,6 +9,8 @@ in the compute dtype.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -54,8 +56,37 @@ def mlp(h, intermediate, output, kind: str, dtype):
     """
     u = dense(h, intermediate, dtype)  # (..., inter) or (..., 2 * inter)
     if kind == "geglu":
-        inner = u.shape[-1] // 2
-        u = gelu(u[..., :inner]) * u[..., inner:].astype(jnp.float32)  # (..., inter)
+        u = geglu(u.astype(jnp.float32))  # (..., inter)
     else:
         u = gelu(u)
     return dense(u, output, dtype).astype(jnp.float32)
+
+
+def plain_geglu(u):
+    """``GELU(input half) * gate half`` of u (..., 2 * inter) float32 -> (..., inter)."""
+    inner = u.shape[-1] // 2
+    return gelu(u[..., :inner]) * u[..., inner:]
+
+
+@jax.custom_vjp
+def geglu(u):
+    """``plain_geglu`` whose gradient is one concatenation of the two halves' gradients
+    (autodiff writes each half into a zero buffer of the full width and adds the two; the
+    modern-small step 1 % faster in interleaved A/B, within its noise).
+    d/da GELU(a) = Phi(a) + a phi(a), exact erf as ``gelu``."""
+    return plain_geglu(u)
+
+
+def _geglu_fwd(u):
+    return plain_geglu(u), u
+
+
+def _geglu_bwd(u, dy):
+    inner = u.shape[-1] // 2
+    a, g = u[..., :inner], u[..., inner:]
+    cdf = 0.5 * (1.0 + jax.lax.erf(a * (1.0 / math.sqrt(2.0))))
+    pdf = jnp.exp(-0.5 * a * a) * (1.0 / math.sqrt(2.0 * math.pi))
+    return (jnp.concatenate([dy * g * (cdf + a * pdf), dy * gelu(a)], axis=-1),)
+
+
+geglu.defvjp(_geglu_fwd, _geglu_bwd)

@@ -96,6 +96,15 @@ class RatePiece(NamedTuple):
     begin: float = 0.0
 
 
+def piece_decay_start(piece: RatePiece) -> float:
+    """The local update at which ``piece`` starts to decay (its length when it does not):
+    the last ``decay_fraction`` of its post-warm-up updates, or all of them at 1.0."""
+    warmup, n = float(piece.warmup), float(piece.steps)
+    if piece.decay == "none":
+        return n
+    return warmup if piece.decay_fraction == 1.0 else n - piece.decay_fraction * (n - warmup)
+
+
 def piece_rate(piece: RatePiece, local):
     """The rate of update ``local`` (0-based within the piece; traced or a plain number): the
     classic ``learning_rate``'s formula with the piece's own peak, start rate and length."""
@@ -105,7 +114,7 @@ def piece_rate(piece: RatePiece, local):
     if piece.decay == "none":
         settled = jnp.full_like(local, piece.peak)
     else:
-        start = warmup if piece.decay_fraction == 1.0 else n - piece.decay_fraction * (n - warmup)
+        start = piece_decay_start(piece)
         frac = jnp.clip((local - start) / max(n - start, 1.0), 0.0, 1.0)
         if piece.decay == "cosine":
             settled = piece.end + (piece.peak - piece.end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from clozax.core import files
 from clozax.core.files import staged_dir
-from clozax.core.optim import decay_start
+from clozax.core.optim import decay_start, piece_decay_start
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train.phases import rate_pieces
@@ -63,9 +63,7 @@ def phased_branch(source: config_lib.RunConfig, step: int, steps: int,
                          "checkpoint's step")
     piece, phase, (start, _) = rate_pieces(source, bounds)[k], source.phases[k], bounds[k]
     local = step - start
-    decay_from = piece.steps - piece.decay_fraction * (piece.steps - piece.warmup) \
-        if piece.decay != "none" and piece.decay_fraction != 1.0 else (
-            piece.warmup if piece.decay != "none" else piece.steps)
+    decay_from = piece_decay_start(piece)
     name = recorded[k]["name"]
     for inside, what in ((0 < local <= piece.warmup, f"phase {name}'s warm-up"),
                          (local > decay_from, f"phase {name}'s own decay"),
