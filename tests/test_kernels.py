@@ -184,7 +184,7 @@ def test_split_qkv_gradient_is_the_three_cotangents_stacked():
     qkv = jax.random.normal(jax.random.key(9), (2, 7, 3, HEADS, HEAD_DIM))
     cotangents = tuple(jax.random.normal(k, (2, 7, HEADS, HEAD_DIM))
                        for k in jax.random.split(jax.random.key(10), 3))
-    fast = _vjp(model_lib.split_qkv, (qkv,), cotangents)
+    fast = _vjp(layers.split_qkv, (qkv,), cotangents)
     plain = _vjp(lambda t: (t[:, :, 0], t[:, :, 1], t[:, :, 2]), (qkv,), cotangents)
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,6 +1,7 @@
 """The encoder's per-token pieces: LayerNorm, dense layers, exact-erf GELU and the two MLP
 variants (``model.mlp``: ``"gelu"``, BERT's ``dense -> GELU -> dense``; ``"geglu"``,
-ModernBERT's ``dense -> GELU(input half) * gate half -> dense``).
+ModernBERT's ``dense -> GELU(input half) * gate half -> dense``), and the split of the fused
+query/key/value projection into its three parts (``split_qkv``).
 
 A parameter dict without a ``"bias"`` leaf (``model.bias=false``) is a bias-free layer.
 Dtypes as in ``clozax.core.model``: LayerNorm statistics and GELU in float32, matmul operands
@@ -90,3 +91,26 @@ def _geglu_bwd(u, dy):
 
 
 geglu.defvjp(_geglu_fwd, _geglu_bwd)
+
+
+@jax.custom_vjp
+def split_qkv(qkv):
+    """(batch, seq, 3, heads, head_dim) -> q, k, v, each (batch, seq, heads, head_dim).
+
+    Its gradient stacks the three cotangents in one copy; autodiff of the three slices
+    writes each into a zero buffer of the fused width and adds them (two passes over the
+    (tokens, 3 * hidden) gradient per layer: the modern-small step 8 % faster without them,
+    interleaved A/B at seq 1024).
+    """
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+def _split_qkv_fwd(qkv):
+    return split_qkv(qkv), None
+
+
+def _split_qkv_bwd(_, cotangents):
+    return (jnp.stack(cotangents, axis=2),)
+
+
+split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
