@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test docs lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,11 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
 
+docs: $(STAMP)  # the documentation site, into site/ (--strict: a broken link or reference fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site

@@ -44,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from clozax.core import pipeline  # noqa: E402
+from clozax.core.masker import make_masker  # noqa: E402
 from clozax.core.vocab import Vocabulary  # noqa: E402
 from clozax.data import open_dataset, prepare  # noqa: E402
 from clozax.train import compile_cache, heldout, run_dir  # noqa: E402
@@ -93,44 +93,35 @@ def hf_train(name: str, dataset, minutes: float, out: Path, seed: int = 0) -> No
     from clozax.train.budget import process_started
 
     t0 = process_started()
-    import compare_hf
+    import hf_side
     import torch
+    from shapes import Rows
     from transformers import DataCollatorForLanguageModeling, get_linear_schedule_with_warmup
 
     _, preset, _ = SIDES[name]
     torch.manual_seed(seed)
     cfg = config_lib.resolve(preset=preset)
     shape = {"preset": preset, "vocab": dataset.vocab_size, "seq": SEQ, "batch": BATCH}
-    model, rate = compare_hf._hf_model(shape, dataset.specials["pad"])
+    model, rate = hf_side.hf_model(shape, dataset.specials["pad"])
     model.train()
     o = cfg.optim
 
-    def optimizer():
-        named = list(model.named_parameters())
-        no_decay = [p for n, p in named if "norm" in n.lower() or "bias" in n]
-        decay = [p for n, p in named if not ("norm" in n.lower() or "bias" in n)]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=o.learning_rate, betas=(o.b1, o.b2), eps=o.eps)
+    def optimizer():  # the default (unfused) AdamW, decay off for biases and norms
+        return hf_side.hf_adamw(model, o.learning_rate, (o.b1, o.b2), o.eps, o.weight_decay)
 
     split = dataset.train
-    rows = compare_hf.Rows(np.asarray(split.tokens, np.int32), np.asarray(split.segments,
-                           np.int32), np.asarray(split.word_starts, bool),
-                           dict(dataset.specials), dataset.vocab_size, "train split")
-    tokenizer = compare_hf._hf_tokenizer(rows, dataset.path)
+    rows = Rows(np.asarray(split.tokens, np.int32), np.asarray(split.segments, np.int32),
+                np.asarray(split.word_starts, bool), dict(dataset.specials), dataset.vocab_size,
+                "train split")
+    tokenizer = hf_side.hf_tokenizer(rows, dataset.path)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=rate,
                                                return_tensors="pt")
-    special = np.zeros(dataset.vocab_size, bool)
-    special[list(set(dataset.specials.values()))] = True
+    special = hf_side.special_table(dataset.specials, dataset.vocab_size)
     order = np.random.default_rng(seed).permutation(split.rows)
 
     def batch(i):
         take = order[np.arange(i * BATCH, (i + 1) * BATCH) % split.rows]
-        examples = [{"input_ids": rows.tokens[r].tolist(),
-                     "attention_mask": (rows.segments[r] > 0).astype(np.int64).tolist(),
-                     "special_tokens_mask": special[rows.tokens[r]].astype(np.int64).tolist()}
-                    for r in take]
-        return collator(examples)
+        return collator(hf_side.mlm_examples(rows, special, take))
 
     def step(i):
         loss = model(**batch(i)).loss
@@ -218,8 +209,7 @@ def main() -> None:
     masks = {}
     for family, preset in (("modern", "modern-small"), ("classic", "small")):
         cfg = config_lib.resolve(preset=preset)
-        masker = pipeline.make_masker(cfg.masking, Vocabulary(dataset.vocab_size,
-                                                              dataset.specials), SEQ)
+        masker = make_masker(cfg.masking, Vocabulary(dataset.vocab_size, dataset.specials), SEQ)
         masks[family] = heldout.build_eval_masks(dataset.heldout, masker, args.eval_seed,
                                                  args.eval_rows)
     results = {}

@@ -93,15 +93,15 @@ if env("CLOZAX_TEST_DIGEST_SECONDS"):  # each digest recorded this long after it
     checkpoint._file_digests = late_digests
 
 if env("CLOZAX_TEST_FAIL_AT"):  # "PROCESS:STEP": that process raises at that sync point
-    from clozax.train import loop
+    from clozax.train import evaluation
     process, at = (int(x) for x in env("CLOZAX_TEST_FAIL_AT").split(":"))
-    real_check = loop._check_finite
+    real_check = evaluation.check_finite
     def failing_check(pending, fetched, checkpointer):
         import jax
         if jax.process_index() == process and pending[-1][0] >= at:
             raise ValueError(f"injected failure at step {pending[-1][0]}")
         return real_check(pending, fetched, checkpointer)
-    loop._check_finite = failing_check
+    evaluation.check_finite = failing_check
 """
 WRAPPER = HOOKS + "from clozax.cli import main\nmain(sys.argv[1:])\n"
 

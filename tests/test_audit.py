@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,21 +97,6 @@ def vocab_of(dataset):
 # --------------------------------------------------------------------------- planted faults
 
 
-def leaky_random_masker(dataset, config):
-    """'Random' replacements computed from the clean id: the input reveals the target."""
-    base = audit.default_masker(config, vocab_of(dataset), dataset.seq_len)
-    pool = jnp.asarray(masking.allowed_random_ids(dataset.vocab_size,
-                                                  vocab_of(dataset).special_ids))
-
-    def masker(key, batch):
-        masked, selection = base(key, batch)
-        revealing = pool[(jnp.searchsorted(pool, batch["tokens"]) + 7) % pool.size]
-        inputs = jnp.where(masked.kind == Kind.RANDOM, revealing, masked.inputs)
-        return masked._replace(inputs=inputs), selection
-
-    return masker
-
-
 def copy_at_mask_masker(dataset, config):
     """The clean id copied into the input at mask positions."""
     base = audit.default_masker(config, vocab_of(dataset), dataset.seq_len)
@@ -149,7 +135,8 @@ def part_mean_step(part: str, dataset):
     device (``part="device"``), then the mean of those means."""
     from jax.sharding import PartitionSpec as P
 
-    from clozax.core.pipeline import TrainState, make_masker
+    from clozax.core.masker import make_masker
+    from clozax.core.train_state import TrainState
     from clozax.train.step import make_loss
 
     vocab = vocab_of(dataset)
@@ -233,9 +220,17 @@ def test_clean_run_passes_every_check_through_the_cli(tiny, tmp_path, capsys):
     assert by_name["eligibility"]["value"]["batches"] == 200
 
 
-def test_random_replacement_derived_from_clean_id_fails_only_no_leak(tiny):
-    report = audit_with(tiny, masker=leaky_random_masker(tiny.dataset, tiny.loaded.config))
-    assert failed(report) == {"no_leak"}
+def test_random_replacement_derived_from_clean_id_fails_only_no_leak(tiny, capsys):
+    """The fault planted by docs/tutorials/audit.md's Python block, run as written on the tiny
+    run: 'random' replacements chosen by a hash of the clean id fail ``no_leak`` and only it."""
+    page = (Path(__file__).parents[1] / "docs" / "tutorials" / "audit.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    code = code.replace('"runs/mine"', repr(str(tiny.run))).replace('"data/mine"',
+                                                                      repr(str(tiny.data)))
+    namespace: dict = {}
+    exec(compile(code, "docs/tutorials/audit.md", "exec"), namespace)  # noqa: S102
+    assert {c["name"] for c in namespace["report"]["checks"] if not c["passed"]} == {"no_leak"}
+    assert "{'no_leak'}" in capsys.readouterr().out
 
 
 def test_clean_id_copied_into_masked_input_fails_no_leak_and_corruption_mix(tiny):

@@ -461,7 +461,7 @@ def test_prepare_killed_at_each_phase_resumes_to_the_same_bytes_and_its_workers_
 
 def test_prepare_rerun_with_another_seq_len_or_a_touched_file_keeps_what_still_holds(
         tmp_path, monkeypatch):
-    from clozax.data import pack, prepare, spool
+    from clozax.data import pack, prepare, spool, tokenizer
 
     corpus = _jsonl_corpus(tmp_path)
     options = dict(corpus=str(corpus), vocab_size=120, heldout_fraction=0.2, shard_bytes=1500,
@@ -469,7 +469,7 @@ def test_prepare_rerun_with_another_seq_len_or_a_touched_file_keeps_what_still_h
     whole16 = tmp_path / "whole16"
     prepare(whole16, seq_len=16, **options)
     calls = {"read": 0, "train": 0, "pack": 0}
-    real = {"read": spool.read_task, "train": spool.train_task, "pack": pack.pack_task}
+    real = {"read": spool.read_task, "train": tokenizer.train_task, "pack": pack.pack_task}
 
     def counted(kind, fail_after=None):
         def task(**args):
@@ -483,7 +483,7 @@ def test_prepare_rerun_with_another_seq_len_or_a_touched_file_keeps_what_still_h
         for kind in calls:
             calls[kind] = 0
         monkeypatch.setattr(spool, "read_task", counted("read"))
-        monkeypatch.setattr(spool, "train_task", counted("train"))
+        monkeypatch.setattr(tokenizer, "train_task", counted("train"))
         monkeypatch.setattr(pack, "pack_task", counted("pack", pack_fails_after))
         return prepare(tmp_path / "out", seq_len=seq_len, **options)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models
 
 from clozax.data import open_dataset, prepare
-from clozax.data.packing import BestFitPacker, Piece, chunk_document, word_start_flags
+from clozax.data.packing import BestFitPacker, DocChunk, chunk_document, word_start_flags
 from clozax.data.split import HELDOUT, TRAIN, assign_split, group_key
 from clozax.data.tokenizer import find_specials, load_tokenizer, parse_special_tokens
 
@@ -88,13 +88,13 @@ def test_packing_round_trips_every_document_in_order(tmp_path):
             for row, segment in r["chunks"]:
                 where = split.segments[row] == segment
                 seen[row] += where
-                piece = split.tokens[row][where].tolist()
-                assert piece[0] == cls and piece[-1] == sep and len(piece) >= 2
+                chunk = split.tokens[row][where].tolist()
+                assert chunk[0] == cls and chunk[-1] == sep and len(chunk) >= 2
                 assert split.word_starts[row][where][0]
-                ids += piece[1:-1]
+                ids += chunk[1:-1]
             assert len(ids) == r["tokens"]
             rebuilt[r["id"]] = (split_name, r["index"], tok.decode(ids))
-        # every non-pad token belongs to exactly one document piece; padding only at the end
+        # every non-pad token belongs to exactly one document chunk; padding only at the end
         assert np.array_equal(seen, (split.segments > 0).astype(int))
         assert np.all(split.tokens[split.segments == 0] == pad)
         assert not split.word_starts[split.segments == 0].any()
@@ -111,10 +111,10 @@ def test_packing_round_trips_every_document_in_order(tmp_path):
 def test_chunks_cut_on_word_starts_and_lose_nothing():
     word_ids = [0, 0, 0, 1, 2, 2, 3, 4, 4, 4, 4, 5]
     ids = list(range(100, 112))
-    pieces = chunk_document(7, ids, word_ids, seq_len=8, cls_id=2, sep_id=3)
-    assert [p.ids[1:-1] for p in pieces] == [[100, 101, 102, 103, 104, 105], [106, 107, 108,
+    chunks = chunk_document(7, ids, word_ids, seq_len=8, cls_id=2, sep_id=3)
+    assert [p.ids[1:-1] for p in chunks] == [[100, 101, 102, 103, 104, 105], [106, 107, 108,
                                              109, 110, 111]]
-    assert all(p.word_starts[1] for p in pieces)
+    assert all(p.word_starts[1] for p in chunks)
     long_word = chunk_document(0, list(range(20)), [0] * 20, seq_len=8, cls_id=2, sep_id=3)
     assert sum(len(p.ids) - 2 for p in long_word) == 20
     assert [p.chunk for p in long_word] == [0, 1, 2, 3]
@@ -126,11 +126,11 @@ def test_word_start_flags_mark_first_token_of_each_word_and_specials():
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(2, 16), min_size=1, max_size=200), st.integers(1, 8))
-def test_best_fit_packer_places_every_piece_once_within_rows(lengths, window):
+def test_best_fit_packer_places_every_chunk_once_within_rows(lengths, window):
     rows = []
     packer = BestFitPacker(16, pad_id=0, emit=rows.append, window=window)
     for doc, n in enumerate(lengths):
-        packer.add(Piece(doc=doc, chunk=0, ids=[doc + 1] * n, word_starts=[True] * n))
+        packer.add(DocChunk(doc=doc, chunk=0, ids=[doc + 1] * n, word_starts=[True] * n))
     packer.flush()
     placed = sorted(d for row in rows for d, _, _ in row.placements)
     assert placed == list(range(len(lengths)))

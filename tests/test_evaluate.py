@@ -14,8 +14,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from clozax.core import model as model_lib
+from clozax.core.keys import Keys
 from clozax.core.masking import KIND_NAMES
-from clozax.core.pipeline import Keys
 from clozax.data import open_dataset
 from clozax.judge import evaluate as ev
 from clozax.train import heldout
@@ -204,7 +204,7 @@ def test_every_checkpoint_and_step_score_those_checkpoints_and_keep_the_newest_o
 
 
 def _masker(run, ds):
-    from clozax.core.pipeline import make_masker
+    from clozax.core.masker import make_masker
     from clozax.core.vocab import Vocabulary
 
     return make_masker(run.config.masking, Vocabulary(ds.vocab_size, ds.specials), ds.seq_len)
@@ -317,7 +317,7 @@ def test_a_run_trained_at_30_percent_is_also_scored_on_a_fixed_15_percent_set(
     assert at15.positions.shape[1] * 2 <= own.positions.shape[1] + 1  # half the slots
     # ... and it is the set a 15 % run of the same data, rows and eval seed scores.
     ds = open_dataset(stdlib_data)
-    from clozax.core.pipeline import make_masker
+    from clozax.core.masker import make_masker
     from clozax.core.vocab import Vocabulary
 
     plain = config_lib.resolve(preset="tiny")  # masking at 15 %

@@ -14,7 +14,7 @@ import pytest
 from clozax.cli import main
 from clozax.core import locks
 from clozax.core import model_config as model_config_lib
-from clozax.core.pipeline import init_params
+from clozax.core.train_state import init_params
 from clozax.data.tokenizer import load_tokenizer
 from clozax.judge import finetune as ft
 from clozax.judge import finetune_glue as glue

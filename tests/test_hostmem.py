@@ -14,7 +14,9 @@ import json, resource
 from clozax.train import hostmem
 applied = hostmem.keep_freed_memory()  # first, as clozax train does
 import jax, jax.numpy as jnp, numpy as np
-from clozax.core import model as M, pipeline
+from clozax.core import model as M
+from clozax.core.keys import Keys
+from clozax.core.train_state import TrainState
 from clozax.core import optim as optim_lib
 from clozax.core.vocab import Vocabulary
 from clozax.train import config as C, step as step_lib
@@ -22,10 +24,10 @@ from clozax.train import config as C, step as step_lib
 # The small preset's train step at batch 16: XLA:CPU keeps ~360 MB of scratch per step.
 cfg = C.resolve(preset="small", overrides=["model.vocab_size=2048", "train.batch_size=16"])
 vocab = Vocabulary(2048, {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4})
-keys = pipeline.Keys.from_seed(0)
+keys = Keys.from_seed(0)
 params = M.init(cfg.model, keys.init)
 optimizer, schedule = optim_lib.make_optimizer(cfg.optim, 100, params)
-state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 step = jax.jit(step_lib.make_train_step(cfg, vocab, 128, optimizer, schedule), donate_argnums=0)
 rng = np.random.default_rng(0)
 batch = {"tokens": jnp.asarray(rng.integers(5, 2048, (16, 128)), jnp.int32),

@@ -264,7 +264,8 @@ def test_minilm_encoder_hidden_states_and_tokenizer_ids_match_transformers(tmp_p
 @pytest.mark.slow
 def test_continued_pretraining_starts_from_the_imported_weights(corpus, hf_dirs, imported,
                                                                 tmp_path):
-    from clozax.core import pipeline
+    from clozax.core.keys import Keys
+    from clozax.core.masker import make_masker
     from clozax.core.vocab import Vocabulary
     from clozax.data import open_dataset, prepare
     from clozax.data.loader import batch_rows, host_batch
@@ -283,10 +284,9 @@ def test_continued_pretraining_starts_from_the_imported_weights(corpus, hf_dirs,
 
     # Batch 0 and its masks, as the train step builds them, scored by the imported weights.
     ds = open_dataset(data)
-    keys = pipeline.Keys.from_seed(cfg.train.seed)
+    keys = Keys.from_seed(cfg.train.seed)
     batch = host_batch(ds.train, batch_rows(keys.data, 0, ds.train.rows, 4))
-    masker = pipeline.make_masker(cfg.masking, Vocabulary(ds.vocab_size, ds.specials),
-                                   ds.seq_len)
+    masker = make_masker(cfg.masking, Vocabulary(ds.vocab_size, ds.specials), ds.seq_len)
     masked, sel = masker(jax.random.fold_in(keys.mask, 0), jax.tree.map(jnp.asarray, batch))
     targets = np.take_along_axis(batch["tokens"], np.asarray(sel.positions), axis=-1)
     valid = np.asarray(sel.valid)

@@ -192,7 +192,7 @@ def test_a_random_pool_with_a_special_id_is_rejected():
 
 
 def _ramp_masker(unit="token", rate_end=0.15, ramp_steps=10):
-    from clozax.core.pipeline import make_masker
+    from clozax.core.masker import make_masker
     from clozax.core.vocab import Vocabulary
     from clozax.train.config import MaskingConfig
 

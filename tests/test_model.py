@@ -376,7 +376,8 @@ def test_speed_settings_are_validated(overrides, message):
 
 def test_jitted_init_draws_the_eager_parameters_to_float32_rounding():
     """XLA fuses the N(0, std) scaling, so single draws may differ in the last bit."""
-    from clozax.core.pipeline import Keys, init_params
+    from clozax.core.keys import Keys
+    from clozax.core.train_state import init_params
 
     config = _config()
     eager = model.init(config, Keys.from_seed(5).init)

@@ -272,6 +272,41 @@ def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_ex
     assert "phases[1]: steps" in err
 
 
+RAMP = """
+[train]
+batch_size = 8
+eval_every = 100
+save_every = 100
+eval_rows = 32
+log_every = 1
+[[phases]]
+steps = 4
+batch_start = 4
+batch_ramp_steps = 2
+batch_ramp_stages = 2
+"""
+
+
+def test_microbatches_change_no_number_under_a_batch_ramp(data32, tmp_path):
+    """``train.microbatches`` is speed-only in every stage of a batch ramp (4 then 8 rows): the
+    same selected counts, token-weighted losses and parameters as one microbatch."""
+    cfg = config_lib.resolve(_toml(tmp_path, RAMP), preset="tiny")
+    runs = {}
+    for k in (1, 2):
+        out = tmp_path / f"mb{k}"
+        train_lib.train(data32, out, cfg.replace(
+            train=dataclasses.replace(cfg.train, microbatches=k)))
+        runs[k] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    one, two = runs[1], runs[2]
+    assert [r["selected"] for r in one] == [r["selected"] for r in two]
+    assert [r["tokens"] for r in one] == [4 * 32, 2 * 4 * 32, 2 * 4 * 32 + 8 * 32,
+                                          2 * 4 * 32 + 2 * 8 * 32]  # the ramp: 4, 4, 8, 8 rows
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(load_run(tmp_path / "mb1").params),
+                    jax.tree.leaves(load_run(tmp_path / "mb2").params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
 TWO = """
 [optim]
 schedule = "1-sqrt"

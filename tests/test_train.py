@@ -14,8 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax.core import model_config, pipeline
+from clozax.core import model_config
 from clozax.core import optim as optim_lib
+from clozax.core.keys import Keys
+from clozax.core.masker import make_masker
+from clozax.core.train_state import TrainState
 from clozax.core.vocab import Vocabulary
 from clozax.data import open_dataset
 from clozax.data.loader import batch_rows, host_batch
@@ -149,8 +152,8 @@ def test_one_and_four_devices_give_the_same_loss_and_parameters(stdlib_data, tmp
     shas = {json.loads((tmp_path / f"d{name}" / "eval_masks.json").read_text())["sha256"]
             for name in ("1", "4", "4fsdp")}
     ds = open_dataset(stdlib_data)
-    masker = pipeline.make_masker(config_lib.resolve(preset="tiny").masking,
-                                  Vocabulary(ds.vocab_size, ds.specials), ds.seq_len)
+    masker = make_masker(config_lib.resolve(preset="tiny").masking,
+                         Vocabulary(ds.vocab_size, ds.specials), ds.seq_len)
     here_set = eval_lib.build_eval_masks(ds.heldout, masker, 1234, 16)
     assert shas == {eval_lib.eval_masks_sha256(here_set)}
     assert here_set.rows.size == 16 and here_set.rows[-1] > 16  # a sample, not the first rows
@@ -185,7 +188,7 @@ def test_eval_masks_are_frozen_hashed_and_reproducible_from_the_eval_key(tiny_ru
     assert meta["sha256"] == eval_lib.eval_masks_sha256(masks)
     cfg = config_lib.load_json(tiny_run / "config.json")
     ds = open_dataset(stdlib_data)
-    masker = pipeline.make_masker(cfg.masking, _vocab(ds), ds.seq_len)
+    masker = make_masker(cfg.masking, _vocab(ds), ds.seq_len)
     again = eval_lib.build_eval_masks(ds.heldout, masker, cfg.train.eval_seed,
                                       cfg.train.eval_rows)
     assert eval_lib.eval_masks_sha256(again) == meta["sha256"]
@@ -364,7 +367,7 @@ def test_continued_pretraining_starts_from_the_other_runs_parameters(tiny_run, s
     source, continued = _flat(load_run(tiny_run).params), _flat(load_run(out).params)
     from clozax.core import model as model_lib
 
-    fresh = _flat(model_lib.init(load_run(out).config.model, pipeline.Keys.from_seed(1).init))
+    fresh = _flat(model_lib.init(load_run(out).config.model, Keys.from_seed(1).init))
     # One AdamW step moves each weight by at most lr * (1 + weight_decay * |w|) (Adam's first
     # update m/sqrt(v) has magnitude <= 1); a fresh init is far away.
     optim = load_run(out).config.optim
@@ -380,7 +383,7 @@ def _trajectory(ds, cfg, steps=10):
     params = model_lib.init(cfg.model, jax.random.key(0))
     optimizer, schedule = optim_lib.make_optimizer(cfg.optim, steps, params)
     step = jax.jit(step_lib.make_train_step(cfg, _vocab(ds), ds.seq_len, optimizer, schedule))
-    state = pipeline.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     losses = []
     for i in range(steps):
         batch = host_batch(ds.train, batch_rows(3, i, ds.train.rows, 8))

@@ -37,7 +37,7 @@ from pathlib import Path
 
 TASKS = {
     "read": "clozax.data.spool:read_task",
-    "train": "clozax.data.spool:train_task",
+    "train": "clozax.data.tokenizer:train_task",
     "pack": "clozax.data.pack:pack_task",
 }
 EXECUTORS = ("local", "dask")

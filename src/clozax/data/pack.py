@@ -75,16 +75,16 @@ def pack_shard(tmp: Path, split: str, k: int, records: Iterator[dict], seq_len: 
                 skips.append([record["source"], "no non-special token after tokenization"
                               if enc.ids else "empty after tokenization"])
                 continue
-            pieces = chunk_document(index, enc.ids, enc.word_ids, seq_len=seq_len,
-                                    cls_id=specials["cls"], sep_id=specials["sep"])
+            doc_chunks = chunk_document(index, enc.ids, enc.word_ids, seq_len=seq_len,
+                                        cls_id=specials["cls"], sep_id=specials["sep"])
             writer.add_document(index, {"id": record["id"], "group": record["group"],
                                         "label": record["label"], "source": record["source"],
-                                        "tokens": len(enc.ids)}, len(pieces))
-            for piece in pieces:
-                packer.add(piece)
+                                        "tokens": len(enc.ids)}, len(doc_chunks))
+            for chunk in doc_chunks:
+                packer.add(chunk)
             ids.append(record["id"])
-            chunks += len(pieces)
-            long_docs += len(pieces) > 1
+            chunks += len(doc_chunks)
+            long_docs += len(doc_chunks) > 1
             n_tokens += len(enc.ids)
             index += 1
     packer.flush()

@@ -1,4 +1,4 @@
-"""Chunking documents into ``[CLS] … [SEP]`` pieces and best-fit packing them into rows.
+"""Chunking documents into ``[CLS] … [SEP]`` chunks and best-fit packing them into rows.
 
 Chunking: a document whose tokens do not fit one row (``seq_len - 2`` body tokens) is cut into
 chunks, each wrapped in its own ``[CLS]``/``[SEP]``, so every segment of a row looks like a whole
@@ -6,9 +6,9 @@ input to the model. Cuts fall on word starts where possible, so whole-word maski
 half a word; only a single word longer than a row is cut inside. Nothing is truncated.
 
 Packing: best fit within a bounded window of open rows (memory stays flat however large the
-corpus): a piece goes to the open row with the least free space that still fits it; when the
+corpus): a chunk goes to the open row with the least free space that still fits it; when the
 window is full, the fullest open row is written out to make room. Deterministic for a given
-piece order.
+chunk order.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 # A sanity bound on row length (the longest preset, modern-base, takes 8192): `clozax train`
 # refuses a dataset whose rows exceed model.max_positions. Best fit scans O(seq_len) free-space
-# buckets per piece.
+# buckets per chunk.
 MAX_SEQ_LEN = 8192
 MIN_SEQ_LEN = 8
 # Open rows kept for best fit. Larger packs a little tighter and costs only memory.
@@ -31,7 +31,7 @@ PACKER_VERSION = f"chunk-at-word-starts/best-fit-window-{PACKING_WINDOW}/1"
 
 
 @dataclass(frozen=True)
-class Piece:
+class DocChunk:
     """One chunk of one document, with its ``[CLS]``/``[SEP]``. Lists, length <= seq_len."""
 
     doc: int  # document index within its split, in corpus order
@@ -49,11 +49,11 @@ def word_start_flags(word_ids: list[int | None]) -> list[bool]:
 
 
 def chunk_document(doc: int, ids: list[int], word_ids: list[int | None], *, seq_len: int,
-                   cls_id: int, sep_id: int) -> list[Piece]:
-    """Cut a document's body tokens into pieces of at most ``seq_len`` with specials added."""
+                   cls_id: int, sep_id: int) -> list[DocChunk]:
+    """Cut a document's body tokens into chunks of at most ``seq_len`` with specials added."""
     starts = word_start_flags(word_ids)
     capacity = seq_len - 2
-    pieces = []
+    chunks = []
     pos = 0
     while True:
         end = min(pos + capacity, len(ids))
@@ -62,32 +62,32 @@ def chunk_document(doc: int, ids: list[int], word_ids: list[int | None], *, seq_
             while cut > pos and not starts[cut]:  # back off to the start of the cut word
                 cut -= 1
             end = cut if cut > pos else end
-        pieces.append(Piece(doc=doc, chunk=len(pieces),
-                            ids=[cls_id, *ids[pos:end], sep_id],
-                            word_starts=[True, *starts[pos:end], True]))
+        chunks.append(DocChunk(doc=doc, chunk=len(chunks),
+                               ids=[cls_id, *ids[pos:end], sep_id],
+                               word_starts=[True, *starts[pos:end], True]))
         pos = end
         if pos >= len(ids):
-            return pieces
+            return chunks
 
 
 @dataclass
 class _Row:
-    pieces: list[Piece] = field(default_factory=list)
+    chunks: list[DocChunk] = field(default_factory=list)
     used: int = 0
 
 
 @dataclass(frozen=True)
 class PackedRow:
-    """One finished row. ``placements`` are ``(doc, chunk, segment)`` for each piece."""
+    """One finished row. ``placements`` are ``(doc, chunk, segment)`` for each chunk."""
 
     tokens: np.ndarray  # (seq_len,) int64
-    segments: np.ndarray  # (seq_len,) uint16, 1..n per piece, 0 = padding
+    segments: np.ndarray  # (seq_len,) uint16, 1..n per chunk, 0 = padding
     word_starts: np.ndarray  # (seq_len,) bool, False on padding
     placements: list[tuple[int, int, int]]
 
 
 class BestFitPacker:
-    """Streams pieces in, calls ``emit`` with each finished ``PackedRow`` (mutable state)."""
+    """Streams chunks in, calls ``emit`` with each finished ``PackedRow`` (mutable state)."""
 
     def __init__(self, seq_len: int, pad_id: int, emit: Callable[[PackedRow], None],
                  window: int = PACKING_WINDOW):
@@ -99,8 +99,8 @@ class BestFitPacker:
         self.by_free: list[list[_Row]] = [[] for _ in range(seq_len + 1)]
         self.open_rows = 0
 
-    def add(self, piece: Piece) -> None:
-        n = len(piece.ids)
+    def add(self, chunk: DocChunk) -> None:
+        n = len(chunk.ids)
         assert 0 < n <= self.seq_len, n
         row = None
         for free in range(n, self.seq_len + 1):
@@ -112,7 +112,7 @@ class BestFitPacker:
                 self._close_fullest()
             row = _Row()
             self.open_rows += 1
-        row.pieces.append(piece)
+        row.chunks.append(chunk)
         row.used += n
         free = self.seq_len - row.used
         if free == 0:
@@ -139,11 +139,11 @@ class BestFitPacker:
         starts = np.zeros(self.seq_len, dtype=bool)
         placements = []
         pos = 0
-        for segment, piece in enumerate(row.pieces, start=1):
-            end = pos + len(piece.ids)
-            tokens[pos:end] = piece.ids
+        for segment, chunk in enumerate(row.chunks, start=1):
+            end = pos + len(chunk.ids)
+            tokens[pos:end] = chunk.ids
             segments[pos:end] = segment
-            starts[pos:end] = piece.word_starts
-            placements.append((piece.doc, piece.chunk, segment))
+            starts[pos:end] = chunk.word_starts
+            placements.append((chunk.doc, chunk.chunk, segment))
             pos = end
         self.emit(PackedRow(tokens, segments, starts, placements))

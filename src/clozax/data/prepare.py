@@ -169,7 +169,8 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     if phase1 is None or phase1.get("corpus") != corpus:
         phase1 = _read_pieces(config, the_plan, tmp, progress, executor, corpus, seconds, say)
     accounting = Accounting(**phase1["accounting"])
-    docs, groups, shards = phase1["docs"], phase1["groups"], phase1["shards"]
+    # "shards" on disk: per split, the pieces with kept documents (one data shard each)
+    docs, groups, pieces = phase1["docs"], phase1["groups"], phase1["shards"]
     seconds["reading"], clock = time.perf_counter() - clock, time.perf_counter()
 
     # 2. tokenizer, frozen (written under a temporary name, so its presence means finished)
@@ -190,7 +191,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
             options = {"model": config.tokenizer_model, "vocab_size": config.vocab_size,
                        "lowercase": config.lowercase, "length": n_train}
             local.run([Task("train", {  # here: one task with every local core's thread
-                "tmp": str(tmp), "pieces": shards[TRAIN], "threshold": threshold,
+                "tmp": str(tmp), "pieces": pieces[TRAIN], "threshold": threshold,
                 "seed": config.seed, "options": options})])
             progress.advance(training)
         partial.mark_phase(tmp, "tokenizer", tokenizer_key)
@@ -205,7 +206,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     tasks = [Task("pack", {"tmp": str(tmp), "split": split, "k": k, "piece": piece,
                            "seq_len": config.seq_len, "specials": specials},
                   spool_path(tmp, piece, split).stat().st_size)
-             for split in SPLITS for k, piece in enumerate(shards[split])]
+             for split in SPLITS for k, piece in enumerate(pieces[split])]
     packing = progress.add_task("packing shards", total=len(tasks), detail="")
     if (tmp / "results").is_dir() and not partial.phase_done(tmp, "packing",
                                                               pack_key):
@@ -221,7 +222,7 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
     for split in SPLITS:
         ids_hash, counts = hashlib.sha256(), np.zeros(vocab_size, np.int64)
         total, index[split], skipped = dict.fromkeys(keys, 0), [], 0
-        for k in range(len(shards[split])):  # in shard order, one result held at a time
+        for k in range(len(pieces[split])):  # in shard order, one result held at a time
             result = files.read_json(result_path(tmp, split, k))
             for source, reason in result["skips"]:
                 accounting.unkeep(source, reason)
@@ -342,8 +343,9 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
     accounting = dedup.accounting
     accounting.check()
     check_corpus(accounting, groups, config.corpus, config.heldout_fraction, config.seed)
+    # "shards": the key a resumed prepare of an older version finds in done.json, kept
     phase1 = {"accounting": asdict(accounting), "docs": dedup.docs, "groups": groups,
-              "shards": dedup.shards, "sample_threshold": sample.threshold(),
+              "shards": dedup.pieces, "sample_threshold": sample.threshold(),
               "corpus": corpus}
     files.write_json(tmp / "spool" / "done.json", phase1)
     return phase1

@@ -1,5 +1,6 @@
 """Reading pieces into spools (in workers), deduplicating them in corpus order (here), and
-reading back what was kept: the first phase of ``clozax prepare`` and what the tokenizer reads.
+reading back what was kept: the first phase of ``clozax prepare`` and what the tokenizer reads
+(its task, ``train_task``, is in ``data/tokenizer.py``).
 
 Per piece ``i`` (``data/pieces.py``), a worker writes to ``spool/``:
 - ``{i}.{split}.jsonl``: the piece's normalised, non-empty documents of each split (by the keyed
@@ -134,7 +135,8 @@ class Dedup:
         self.last: dict[str, int | None] = dict.fromkeys(SPLITS)
         self.accounting = Accounting()
         self.docs = dict.fromkeys(SPLITS, 0)
-        self.shards: dict[str, list[int]] = {split: [] for split in SPLITS}
+        # per split, the pieces with kept documents, in corpus order (one data shard each)
+        self.pieces: dict[str, list[int]] = {split: [] for split in SPLITS}
 
     def merge(self, piece: int) -> None:
         read = files.read_json(_piece_file(self.tmp, piece, "read.json"))
@@ -160,7 +162,7 @@ class Dedup:
             self.accounting.duplicates += len(drop[split])
             self.docs[split] += kept
             if kept:
-                self.shards[split].append(piece)
+                self.pieces[split].append(piece)
         files.write_json(_piece_file(self.tmp, piece, "merge.json"), {"drop": drop})
 
     def close(self) -> dict[str, int]:
@@ -186,14 +188,3 @@ def kept_lines(tmp: Path, split: str, pieces: list[int]) -> Iterator[str]:
 def kept_records(tmp: Path, split: str, pieces: list[int]) -> Iterator[dict]:
     return (json.loads(line) for line in kept_lines(tmp, split, pieces))
 
-
-def train_task(tmp: str, pieces: list[int], threshold: int | None, seed: int,
-               options: dict) -> None:
-    """Train the tokenizer on the kept train documents (or their sample) and save it as
-    ``tokenizer.json.partial``."""
-    from clozax.data.tokenizer import train_tokenizer
-
-    tmp = Path(tmp)
-    texts = Sample(None, seed).chosen(kept_lines(tmp, TRAIN, pieces), threshold)
-    tok = train_tokenizer(texts, **options)
-    tok.save(str(tmp / "tokenizer.json.partial"))

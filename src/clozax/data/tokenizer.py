@@ -5,6 +5,9 @@ vocabulary in every process; its WordPiece trainer does not (huggingface/tokeniz
 hash-map iteration order). So ``bpe`` is the default. Its pre-tokeniser splits like BERT's
 (on whitespace and punctuation) but marks word starts with ``▁`` (Metaspace), so ``decode``
 restores spaces without a prefix/suffix that would break determinism.
+
+``train_task`` is ``clozax prepare``'s tokenizer phase: it trains on the kept train documents
+that ``data/spool.py`` reads back (or their keyed sample).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from tokenizers import (
 )
 
 from clozax.core.vocab import SPECIAL_NAMES, SPECIAL_TOKENS
+from clozax.data.split import TRAIN
+from clozax.data.spool import Sample, kept_lines
 
 TOKENIZER_MODELS = ("bpe", "wordpiece")
 _WORD_MARK = "\u2581"  # ▁
@@ -75,6 +80,16 @@ def train_tokenizer(texts: Iterable[str], *, model: str, vocab_size: int, lowerc
         special_tokens=[(SPECIAL_TOKENS["cls"], ids["cls"]), (SPECIAL_TOKENS["sep"], ids["sep"])],
     )
     return tok
+
+
+def train_task(tmp: str, pieces: list[int], threshold: int | None, seed: int,
+               options: dict) -> None:
+    """Train the tokenizer on the kept train documents (or their sample) and save it as
+    ``tokenizer.json.partial``."""
+    tmp = Path(tmp)
+    texts = Sample(None, seed).chosen(kept_lines(tmp, TRAIN, pieces), threshold)
+    tok = train_tokenizer(texts, **options)
+    tok.save(str(tmp / "tokenizer.json.partial"))
 
 
 def parse_special_tokens(text: str | None) -> dict[str, str]:

@@ -20,7 +20,7 @@ from tokenizers.implementations import BertWordPieceTokenizer
 
 from clozax.core.files import file_sha256, staged_dir
 from clozax.core.optim import make_optimizer
-from clozax.core.pipeline import new_state
+from clozax.core.train_state import new_state
 from clozax.core.vocab import SPECIAL_NAMES
 from clozax.interop.families import for_hf_config, special_strings
 from clozax.interop.hf_files import (

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from clozax.core import files
-from clozax.core.pipeline import init_params, make_masker
+from clozax.core.masker import make_masker
+from clozax.core.train_state import init_params
 from clozax.core.vocab import Vocabulary
 from clozax.data.tokenizer import load_tokenizer
 from clozax.judge import history

@@ -32,7 +32,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from clozax.core import files, locks
-from clozax.core.pipeline import init_params
+from clozax.core.train_state import init_params
 from clozax.data.tokenizer import load_tokenizer
 from clozax.judge import finetune_glue as glue
 from clozax.judge import finetune_heads as heads

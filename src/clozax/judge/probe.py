@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clozax.core import model as model_lib
-from clozax.core.pipeline import init_params
+from clozax.core.train_state import init_params
 from clozax.data.tokenizer import load_tokenizer
 from clozax.judge import history
 from clozax.train.run_dir import load_run, open_run_dataset

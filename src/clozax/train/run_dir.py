@@ -24,7 +24,7 @@ from clozax.core import files, locks
 from clozax.core import model as model_lib
 from clozax.core.model_config import runnable_here
 from clozax.core.optim import make_optimizer
-from clozax.core.pipeline import TrainState
+from clozax.core.train_state import TrainState
 from clozax.data.dataset import Dataset, open_dataset
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
@@ -90,10 +90,11 @@ def write_run_files(run_dir: Path, config: config_lib.RunConfig, info: dict) -> 
 
 
 def check_compatible(run_dir: Path, config: config_lib.RunConfig, dataset,
-                     extend_to: int | None = None) -> tuple[config_lib.RunConfig, bool]:
+                     extend_to: int | None = None) -> tuple[config_lib.RunConfig, bool, dict]:
     """Refuse to resume into a run whose results-relevant config, tokenizer or data differ.
 
-    Returns the config to continue with and whether it extends the run: with ``extend_to``
+    Returns the config to continue with, whether it extends the run, and the run's ``run.json``
+    as read here: with ``extend_to``
     beyond the run's ``train.steps``, a finished run continues to ``extend_to`` steps with its
     schedule re-created for the new length (recorded in ``train.extended_from``).
     """
@@ -132,7 +133,7 @@ def check_compatible(run_dir: Path, config: config_lib.RunConfig, dataset,
             f"{dataset.path} {dataset.fingerprint[:12]} (re-prepared, or other data); resume "
             "with the original dataset or choose a new --out"
         )
-    return config, extending
+    return config, extending, run
 
 
 def lock_run(held: ExitStack, run_dir: Path, primary: bool, say) -> None:
@@ -151,20 +152,22 @@ def lock_run(held: ExitStack, run_dir: Path, primary: bool, say) -> None:
 
 def resolve_run(run_dir: Path, config: config_lib.RunConfig, dataset, init_from: Path | None,
                 extend_to: int | None, say) -> tuple[config_lib.RunConfig, bool, bool,
-                                                      LoadedRun | None]:
+                                                      LoadedRun | None, dict | None]:
     """The config to train with in ``run_dir``: an existing run's own (checked against
     ``config``; ``extend_to`` may lengthen it), or a new run's (``init_from`` brings another
-    run's model config and parameters). Returns ``(config, existing, extending, init_run)``."""
+    run's model config and parameters). Returns ``(config, existing, extending, init_run,
+    info)``: ``info`` is an existing run's ``run.json`` as read for the check (None for a new
+    run)."""
     existing = (run_dir / CONFIG_FILE).is_file()
-    init_run, extending = None, False
+    init_run, extending, info = None, False, None
     if existing:
-        config, extending = check_compatible(run_dir, config, dataset, extend_to)
+        config, extending, info = check_compatible(run_dir, config, dataset, extend_to)
         here = runnable_here(config.model)
         if here != config.model:
             say(f"model.attention={config.model.attention!r} cannot run on this machine; "
                 f"using {here.attention!r} (the same maths)")
             config = config.replace(model=here)
-        return config, existing, extending, init_run
+        return config, existing, extending, init_run, info
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ValueError(
             f"output directory {run_dir} exists and is not a clozax run; choose a new --out"
@@ -183,7 +186,7 @@ def resolve_run(run_dir: Path, config: config_lib.RunConfig, dataset, init_from:
     if runnable_here(config.model) != config.model:
         raise ValueError(f"model.attention={config.model.attention!r} needs an NVIDIA GPU "
                          f"(this machine runs {jax.default_backend()}); use 'auto'")
-    return config, existing, extending, init_run
+    return config, existing, extending, init_run, info
 
 
 def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:

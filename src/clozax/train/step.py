@@ -16,8 +16,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from clozax.core import model as model_lib
+from clozax.core.masker import make_masker
 from clozax.core.objective import masked_nll
-from clozax.core.pipeline import TrainState, make_masker
+from clozax.core.train_state import TrainState
 from clozax.core.vocab import Vocabulary
 from clozax.train.config import RunConfig
 

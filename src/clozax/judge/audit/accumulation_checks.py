@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clozax.core.pipeline import TrainState
+from clozax.core.train_state import TrainState
 from clozax.judge.audit.pipeline import CheckResult, Pipeline
 from clozax.train.config import RunConfig
 

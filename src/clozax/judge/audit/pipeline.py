@@ -14,8 +14,9 @@ import numpy as np
 
 from clozax.core import model as model_lib
 from clozax.core import objective
+from clozax.core.keys import Keys
+from clozax.core.masker import make_masker
 from clozax.core.masking import MaskedBatch, Selection
-from clozax.core.pipeline import Keys, make_masker
 from clozax.core.vocab import Vocabulary
 from clozax.data.dataset import Dataset
 from clozax.data.loader import batch_rows, host_batch

@@ -15,7 +15,8 @@ import numpy as np
 
 from clozax import __version__
 from clozax.core import files, objective
-from clozax.core.pipeline import Keys, init_params
+from clozax.core.keys import Keys
+from clozax.core.train_state import init_params
 from clozax.core.vocab import Vocabulary
 from clozax.data.dataset import Dataset
 from clozax.judge.audit.accumulation_checks import (

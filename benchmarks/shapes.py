@@ -1,0 +1,62 @@
+"""What both sides of ``compare_hf.py`` share: the shapes, the dtypes, the optimiser's
+hyper-parameters, the special ids and the pre-tokenized rows (``Rows``, ``load_rows``).
+
+Nothing here imports JAX or torch (``compare_hf.py`` applies its host allocator setting before
+JAX is imported).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+
+SHAPES = {  # model preset, vocabulary, sequence length, batch
+    "small": {"preset": "small", "vocab": 8192, "seq": 128, "batch": 32},
+    "base": {"preset": "base", "vocab": 8192, "seq": 128, "batch": 32},
+    "modern-small": {"preset": "modern-small", "vocab": 8192, "seq": 1024, "batch": 4},
+    "modern-base": {"preset": "modern-base", "vocab": 8192, "seq": 1024, "batch": 32},
+}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+LR, B1, B2, EPS, WD, CLIP = 1e-3, 0.9, 0.98, 1e-6, 0.01, 1.0  # clozax's OptimConfig defaults
+
+
+@dataclass
+class Rows:
+    """Pre-tokenized rows shared by both sides: (rows, seq) token ids and segment ids."""
+
+    tokens: np.ndarray  # (rows, seq) int32
+    segments: np.ndarray  # (rows, seq) int32, 0 = padding
+    word_starts: np.ndarray  # (rows, seq) bool
+    specials: dict
+    vocab: int
+    source: str
+
+    def batch_rows(self, index: int, batch: int) -> np.ndarray:
+        rng = np.random.default_rng([0, index])
+        return rng.choice(len(self.tokens), batch, replace=False)
+
+
+def load_rows(data: Path | None, synthetic: bool, vocab: int, seq: int, n: int = 1024) -> Rows:
+    if synthetic or data is None:
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(len(SPECIALS), vocab, size=(n, seq), dtype=np.int32)
+        tokens[:, 0], tokens[:, -1] = SPECIALS["cls"], SPECIALS["sep"]
+        segments = np.ones((n, seq), np.int32)
+        return Rows(tokens, segments, np.ones((n, seq), bool), dict(SPECIALS), vocab,
+                    f"synthetic uniform ids, {n} rows")
+    from clozax.data import open_dataset
+
+    ds = open_dataset(data)
+    if ds.seq_len != seq or ds.vocab_size != vocab:
+        raise SystemExit(
+            f"error: dataset {data} has seq_len {ds.seq_len} and vocab {ds.vocab_size}; this "
+            f"shape needs {seq} and {vocab}: pass --synthetic"
+        )
+    split = ds.train
+    return Rows(np.asarray(split.tokens, np.int32), np.asarray(split.segments, np.int32),
+                np.asarray(split.word_starts, bool), dict(ds.specials), vocab,
+                f"{data} train split, {split.rows} rows")
