@@ -13,14 +13,13 @@ import dataclasses
 import html
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from browser import assert_drawn, needs_chromium, screenshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,24 +105,11 @@ def test_the_readme_links_only_to_pages_and_headings_that_exist():
     assert len(readme.splitlines()) <= 200, "the README is a landing page: keep it short"
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="Debian chromium is not installed (apt-get install -y chromium)")
+@needs_chromium
 @pytest.mark.parametrize("page", ["index.html", "reference/config.html"])
 def test_pages_render_in_headless_chromium(site, page, tmp_path):
-    from PIL import Image
-
-    shot = tmp_path / "shot.png"
-    with tempfile.TemporaryDirectory() as profile:
-        subprocess.run(
-            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-             "--no-first-run", "--disable-background-networking", "--disable-component-update",
-             "--disable-sync", f"--user-data-dir={profile}", f"--screenshot={shot}",
-             "--window-size=1280,1600", (site / page).as_uri()],
-            check=True, capture_output=True, timeout=120)
-    image = np.asarray(Image.open(shot).convert("RGB"))
+    image = screenshot((site / page).as_uri(), tmp_path / "shot.png", 1280, 1600)
     assert image.shape == (1600, 1280, 3)
-    pixels = image.reshape(-1, 3)
-    assert len(np.unique(pixels, axis=0)) > 200, "a blank or unstyled page"
-    assert np.all(pixels == pixels[0], axis=1).mean() < 0.95, "the page is mostly one colour"
+    assert_drawn(image, max_background=0.95)
     header = image[:40].reshape(-1, 3).mean(axis=0)  # Material's coloured header bar
     assert header[2] > header[0] + 40, f"no theme header (mean colour {header}): unstyled"

@@ -6,12 +6,11 @@ import html
 import json
 import re
 import shutil
-import subprocess
-import tempfile
 
 import numpy as np
 import pytest
 
+from browser import assert_drawn, needs_chromium, screenshot
 from clozax.judge import claims as claims_lib
 from clozax.judge import panel
 from clozax.report import page as report_lib
@@ -283,24 +282,10 @@ def test_report_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path, c
     assert err.startswith("error:") and "not a clozax run" in err and "\n" not in err
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="Debian chromium is not installed (apt-get install -y chromium)")
+@needs_chromium
 def test_report_renders_in_headless_chromium(full_report, tmp_path):
-    from PIL import Image
-
     run = full_report[0]
-    shot = tmp_path / "shot.png"
-    with tempfile.TemporaryDirectory() as profile:
-        subprocess.run(
-            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-             "--no-first-run", "--disable-background-networking", "--disable-component-update",
-             "--disable-sync", f"--user-data-dir={profile}", f"--screenshot={shot}",
-             "--window-size=1280,2400", (run / report_lib.REPORT_FILE).absolute().as_uri()],
-            check=True, capture_output=True, timeout=120)
-    image = Image.open(shot).convert("RGB")
-    assert image.size == (1280, 2400)
-    pixels = np.asarray(image).reshape(-1, 3)
-    colours = np.unique(pixels, axis=0)
-    assert len(colours) > 200, f"only {len(colours)} colours: a blank or unstyled page"
-    background = np.all(pixels == pixels[0], axis=1).mean()
-    assert background < 0.9, "the page is mostly one colour"
+    image = screenshot((run / report_lib.REPORT_FILE).absolute().as_uri(), tmp_path / "shot.png",
+                       1280, 2400)
+    assert image.shape == (2400, 1280, 3)
+    assert_drawn(image, max_background=0.9)
