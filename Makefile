@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint clean
+.PHONY: demo test test-fast docs lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,9 +14,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/clozax demo --out runs/demo
 
-test: $(STAMP)
+# pytest-xdist workers (tests/README.md: two on 2 cores, each test file on one worker)
+TEST_WORKERS ?= 2
+
+test: $(STAMP)  # everything: CI's command and the README's
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+test-fast: $(STAMP)  # the edit-test loop: the pure-function tier, under 3 minutes
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "fast and not slow"
 
 docs: $(STAMP)  # the documentation site, into site/ (--strict: a broken link or reference fails)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site

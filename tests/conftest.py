@@ -1,4 +1,5 @@
-"""Shared, session-scoped fixtures: one small prepared dataset and one tiny trained run.
+"""Shared, session-scoped fixtures: the built-in corpus prepared (64- and 32-token rows) and one
+tiny trained run.
 
 Everything is built from the built-in corpus (stdlib docstrings) into pytest's temporary
 directory, so tests never depend on a developer's data/ or runs/ folders.
@@ -8,14 +9,45 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-# Commands run by the tests (in subprocesses too) share one compilation cache of their own,
-# never the user's.
-os.environ.setdefault("CLOZAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="clozax-jax-cache-"))
+import suite_profile
+
+# The tests, the commands they start and pytest-xdist's workers share one compilation cache of
+# their own (never the user's), kept between sessions in .pytest_cache/: every program is
+# stored, so a second `make test-fast` loads what an unchanged code path compiled before
+# (tests/README.md). `pytest --cache-clear` (or CLOZAX_COMPILATION_CACHE=DIR) starts cold.
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".pytest_cache" / "clozax-jax"
+CACHE_BOUND = 2 << 30  # bytes; past it, a session starts with an empty cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+if "CLOZAX_COMPILATION_CACHE" not in os.environ:
+    # Bounded here, once a session, not by JAX's LRU bound: that one lists the directory on
+    # every write (test_masking.py took 36 s instead of 23 s).
+    if "PYTEST_XDIST_WORKER" not in os.environ and CACHE.is_dir() and sum(
+            f.stat().st_size for f in CACHE.iterdir()) > CACHE_BOUND:
+        shutil.rmtree(CACHE, ignore_errors=True)
+    os.environ["CLOZAX_COMPILATION_CACHE"] = str(CACHE)
+
+# XLA:CPU's backend at -O0 for the suite, its subprocesses included: compiling is 38 % of the
+# suite's time and the programs are tiny and run a few steps. The tiny train step compiles in
+# 2.3 s instead of 4.5 s and runs 8 ms a step instead of 2.5 (tests/README.md). Every number a
+# test compares is computed at the same level; the lesson's recorded digits hold at both.
+# Production code and the benchmarks keep XLA's default, and the page-fault test
+# (test_hostmem.py) runs at it; XLA_FLAGS naming another level is left as it is, e.g.
+# XLA_FLAGS=--xla_backend_optimization_level=2 make test runs the suite at the default level.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def simulated_devices(count: int) -> dict:
+    """The environment of a subprocess with ``count`` simulated CPU devices (the suite's
+    XLA_FLAGS kept)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}")}
 
 
 def pytest_configure(config):
@@ -24,6 +56,9 @@ def pytest_configure(config):
     from clozax.train import compile_cache
 
     compile_cache.enable()
+    if os.environ.get(suite_profile.ENV):  # benchmarks/suite_profile.py: where the time goes
+        config.pluginmanager.register(suite_profile.Recorder(os.environ[suite_profile.ENV]),
+                                      "clozax-suite-profile")
 
 TINY_OVERRIDES = [
     "train.batch_size=8",
@@ -43,6 +78,17 @@ def stdlib_data(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("data") / "stdlib"
     prepare(out, corpus="stdlib", vocab_size=1024, seq_len=64, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def data32(stdlib_data, tmp_path_factory) -> Path:
+    """The built-in corpus in 32-token rows with ``stdlib_data``'s (64-token) tokenizer."""
+    from clozax.data import prepare
+
+    out = tmp_path_factory.mktemp("data") / "stdlib32"
+    prepare(out, corpus="stdlib", seq_len=32, tokenizer=stdlib_data / "tokenizer.json",
+            quiet=True)
     return out
 
 

@@ -11,7 +11,6 @@ a subprocess with 4 simulated CPU devices, started as soon as the run exists.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -30,6 +29,7 @@ from clozax.core.masking import Kind
 from clozax.core.vocab import Vocabulary
 from clozax.data.dataset import data_files, file_records, fingerprint
 from clozax.judge import audit
+from conftest import simulated_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=5", "train.batch_size=8", "train.eval_rows=32", "train.eval_every=5",
@@ -71,8 +71,7 @@ def tiny(request, tmp_path_factory):
     run = tmp_path_factory.mktemp("audit") / "run"
     shutil.copytree(request.getfixturevalue("tiny_run"), run)
     script = DEVICE_SCRIPT.format(tests=str(Path(__file__).parent), run=str(run), data=str(data))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
+    env = simulated_devices(4)
     devices = subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     yield Tiny(run, Path(data), load_run(run), audit.open_dataset_for_audit(data), devices)

@@ -30,6 +30,7 @@ from clozax.cli import main
 from clozax.core import locks
 from clozax.train import checkpoint as ckpt
 from clozax.train.run_dir import load_run
+from commands import one_line_error
 
 STEPS = 24
 CADENCE = ["--steps", str(STEPS), "--set", "train.save_every=3", "--set", "train.eval_every=12"]
@@ -300,15 +301,6 @@ def _holder(directory: Path) -> subprocess.Popen:
     return proc
 
 
-def _one_line_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "\n" not in err and "Traceback" not in err
-    return err
-
-
 def test_a_second_writer_of_a_run_or_a_dataset_is_refused_naming_the_holder(
         tiny_run_copy, stdlib_data, tmp_path, capsys):
     run_args = ["train", "--data", str(stdlib_data), "--out", str(tiny_run_copy),
@@ -317,7 +309,7 @@ def test_a_second_writer_of_a_run_or_a_dataset_is_refused_naming_the_holder(
     for directory, argv in ((tiny_run_copy, run_args), (tmp_path / "ds", data_args)):
         holder = _holder(directory)
         try:
-            err = _one_line_error(capsys, argv)
+            err = one_line_error(capsys, *argv)
         finally:
             holder.kill()
             holder.wait()
@@ -532,8 +524,8 @@ def test_a_bad_row_is_a_recorded_skip_and_a_partial_of_other_settings_is_never_d
         prepare(out, strict=True, **options)
     [kept] = _partial(out)
     # Another prepare of this --out with other settings: refused, naming the partial.
-    err = _one_line_error(capsys, ["prepare", "--corpus", str(path), "--out", str(out),
-                                   "--seed", "1", *PREPARE])
+    err = one_line_error(capsys, "prepare", "--corpus", path, "--out", out, "--seed", "1",
+                         *PREPARE)
     assert str(kept) in err and "seed 0 (now 1)" in err and "--discard-partial" in err
     assert kept.is_dir()
     prepare(out, seed=1, discard_partial=True, **options)

@@ -15,6 +15,8 @@ from clozax.data.readers import FieldNames, RawDocument, Skip
 from clozax.data.split import HELDOUT, TRAIN, assign_split, group_key
 from clozax.data.stdlib import read_stdlib
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
 
 

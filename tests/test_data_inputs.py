@@ -18,6 +18,8 @@ from clozax.data.pieces import Piece, plan, read_corpus, read_piece
 from clozax.data.readers import FieldNames, Layout, RawDocument, Skip, content_group
 from clozax.data.sources import MAX_DOCUMENT_CHARS, SEPARATORS, units
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda omicron sigma omega".split()
 
 

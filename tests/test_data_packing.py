@@ -16,6 +16,8 @@ from clozax.data.packing import BestFitPacker, DocChunk, chunk_document, word_st
 from clozax.data.split import HELDOUT, TRAIN, assign_split, group_key
 from clozax.data.tokenizer import find_specials, load_tokenizer, parse_special_tokens
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 FILLER = "the of and to in is it that for on with as by this be from or at".split()
 
 

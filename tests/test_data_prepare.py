@@ -18,6 +18,8 @@ from clozax.cli import main
 from clozax.data import open_dataset, prepare
 from clozax.data.dataset import verify_files
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
 
 

@@ -18,6 +18,8 @@ from clozax.data.loader import host_batch
 from clozax.data.shards import ARRAYS, RowArray
 from clozax.data.spool import Sample
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
 # About 12 pieces, so shards per split: small enough to be quick, several per worker.
 OPTIONS = dict(vocab_size=120, seq_len=32, heldout_fraction=0.2, shard_bytes=1500)

@@ -21,6 +21,8 @@ import pytest
 
 from browser import assert_drawn, needs_chromium, screenshot
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -105,6 +107,7 @@ def test_the_readme_links_only_to_pages_and_headings_that_exist():
     assert len(readme.splitlines()) <= 200, "the README is a landing page: keep it short"
 
 
+@pytest.mark.slow
 @needs_chromium
 @pytest.mark.parametrize("page", ["index.html", "reference/config.html"])
 def test_pages_render_in_headless_chromium(site, page, tmp_path):

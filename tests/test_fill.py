@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from clozax import cli
 from clozax.judge.fill import fill
 from clozax.train.run_dir import load_run
+from commands import one_line_error
 
 
 def test_fill_returns_k_sorted_probabilities_per_mask(tiny_run):
@@ -45,11 +44,8 @@ def test_fill_refuses_a_text_past_the_length_the_run_trained_on(tiny_run):
     assert fill(tiny_run, " ".join(["return"] * 50) + " [MASK]")  # within it: answered
 
 
-def test_fill_cli_rejects_text_without_mask_or_too_long_in_one_line(tiny_run):
+def test_fill_cli_rejects_text_without_mask_or_too_long_in_one_line(tiny_run, capsys):
     too_long = " ".join(["word"] * (load_run(tiny_run).config.model.max_positions + 5))
     for text, message in (("no blank here", "has no [MASK]"),
                           (too_long + " [MASK]", "longer than the model's")):
-        proc = subprocess.run([sys.executable, "-m", "clozax.cli", "fill", str(tiny_run), text],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert message in one_line_error(capsys, "fill", tiny_run, text)

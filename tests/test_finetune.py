@@ -180,6 +180,7 @@ def _without_seconds(result: dict) -> str:
 # --------------------------------------------------------------------------- metrics, tasks
 
 
+@pytest.mark.fast
 def test_entity_f1_follows_seqeval():
     # seqeval's documented example: F1 0.50 (one of two entities exactly right).
     gold = [["O", "O", "O", "B-MISC", "I-MISC", "I-MISC", "O"], ["B-PER", "I-PER", "O"]]
@@ -229,6 +230,7 @@ GLUE_LINES = {
 }
 
 
+@pytest.mark.fast
 def test_glue_layouts_parse(tmp_path):
     for name, (folder, header, lines) in GLUE_LINES.items():
         d = tmp_path / folder

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import TEST_XLA_FLAGS
+
 PROBE = r"""
 import json, resource
 from clozax.train import hostmem
@@ -46,8 +48,11 @@ print(json.dumps({"applied": applied, "faults_per_step": faults}))
 
 
 def _probe(**env) -> dict:
+    """The probe in a fresh process, at XLA's default optimisation level (production's, not
+    the suite's)."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     full.pop("CLOZAX_HOST_MALLOC", None)
+    full["XLA_FLAGS"] = full.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip()
     full.update(env)
     out = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True,
                          text=True, check=True, timeout=300)

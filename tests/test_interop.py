@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from commands import clozax, one_line_error
 from conftest import perturb_torch
 
 torch = pytest.importorskip("torch", reason="interop tests need torch (the 'bench' extra)")
@@ -363,11 +362,6 @@ def _mean_nll(logits, targets, valid):
 # ----------------------------------------------------------------------------- CLI
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clozax.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
-
-
 def _broken(kind: str, hf_dir: Path, dest: Path) -> Path:
     shutil.copytree(hf_dir, dest)
     weights = dest / "model.safetensors"
@@ -400,12 +394,10 @@ def _broken(kind: str, hf_dir: Path, dest: Path) -> Path:
     ("activation", "gelu_new"),
     ("pickle", "execute arbitrary code"),
 ])
-def test_import_hf_refuses_bad_input_with_one_line_error(kind, words, hf_dirs, tmp_path):
+def test_import_hf_refuses_bad_input_with_one_line_error(kind, words, hf_dirs, tmp_path,
+                                                        capsys):
     source = _broken(kind, hf_dirs["post"], tmp_path / "hf")
-    result = _cli("import-hf", source, tmp_path / "out")
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
+    assert words in one_line_error(capsys, "import-hf", source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial-*"))
 
@@ -427,13 +419,12 @@ def test_a_run_trained_on_64_token_rows_exports_64_positions_with_parity(tiny_ru
 
 
 @pytest.mark.slow
-def test_cli_export_writes_a_directory_transformers_loads(clozax_runs, tmp_path):
-    result = _cli("export", clozax_runs["post"], tmp_path / "hf")
-    assert result.returncode == 0, result.stderr
+def test_cli_export_writes_a_directory_transformers_loads(clozax_runs, tmp_path, capsys):
+    result = clozax(capsys, "export", clozax_runs["post"], tmp_path / "hf")
+    assert result.code == 0 and f"exported {clozax_runs['post']}" in result.out, result
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
         "tokenizer_config.json"]
     model = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"))
     assert type(model).__name__ == "BertForMaskedLM"
-    again = _cli("export", clozax_runs["post"], tmp_path / "hf")
-    assert again.returncode == 2 and "not empty" in again.stderr
+    assert "not empty" in one_line_error(capsys, "export", clozax_runs["post"], tmp_path / "hf")

@@ -163,6 +163,7 @@ def test_fill_mask_pipeline_top5_matches_clozax_fill(exported, clozax_run):
                                atol=1e-5)
 
 
+@pytest.mark.fast
 def test_modern_base_has_modernbert_base_parameter_count():
     """HF ModernBERT-base (vocab 50368) built on the meta device; clozax keeps one unused
     attention-norm row for layer 0 (768 scalars) that HF does not have."""

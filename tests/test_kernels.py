@@ -12,6 +12,8 @@ import pytest
 from clozax.core import kernels, layers, model_config
 from clozax.core import model as model_lib
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 16, 2, 8
 
 

@@ -1,8 +1,6 @@
 """Each claim of the lesson, as its own test, on clozax's masking and objective."""
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +9,9 @@ import pytest
 
 from clozax import lesson
 from clozax.core import objective
+from commands import clozax
+
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
 
 RECORDED = [
     "MLM initial/final/changed-mask: 1.0986123085021973 0.010633035562932491 "
@@ -122,15 +123,11 @@ def test_analytic_gradient_equals_autodiff():
     )
 
 
-def test_lesson_cli_writes_json_and_two_figures(tmp_path):
+def test_lesson_cli_writes_json_and_two_figures(tmp_path, capsys):
     out = tmp_path / "lesson"
-    proc = subprocess.run(
-        [sys.executable, "-m", "clozax.cli", "lesson", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert proc.stdout.splitlines()[:6] == RECORDED
+    ran = clozax(capsys, "lesson", "--out", out)
+    assert ran.code == 0, ran
+    assert ran.out.splitlines()[:6] == RECORDED
     record = json.loads((out / "lesson.json").read_text())
     assert len(record["loss_history"]) == 100
     assert record["lines"] == RECORDED

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from clozax.core import masking
 from clozax.core.masking import CorruptionPolicy, Kind
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 VOCAB = 40
 SPECIALS = (0, 1, 2, 3, 4)  # pad, unk, cls, sep, mask
 MASK_ID = 4

@@ -12,6 +12,8 @@ import pytest
 from clozax.core import attention, model, model_config
 from conftest import assert_sparse_block_matches_full, two_document_batch
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 VOCAB = 97
 BATCH, SEQ, COUNT = 3, 16, 4
 LENGTHS = np.array([16, 11, 5])  # right-padded real lengths per sequence

@@ -13,7 +13,9 @@ import pytest
 
 from clozax.core import attention, model, model_config, pattern
 from clozax.core import positions as positions_lib
-from conftest import assert_sparse_block_matches_full, two_document_batch
+from conftest import assert_sparse_block_matches_full, simulated_devices, two_document_batch
+
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
 
 VOCAB = 97
 BATCH, SEQ = 3, 48
@@ -332,12 +334,10 @@ def test_modern_training_is_the_same_on_four_devices_with_fsdp_microbatches_and_
     """Two modern-tiny steps: 1 device against 4 (parameters sharded with fsdp; or replicated
     with 2 microbatches and per-block remat) give the same loss and parameters."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
+    env = simulated_devices(4)
     proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(stdlib_data), str(tmp_path)],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

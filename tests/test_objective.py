@@ -7,6 +7,8 @@ import pytest
 
 from clozax.core import objective
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 
 def _fixture(seed=0, batch=8, seq=16, vocab=11):
     rng = np.random.default_rng(seed)

@@ -11,6 +11,8 @@ from clozax.core import flops
 from clozax.core.model_config import PRESETS, ModelConfig
 from clozax.train.observe import Pace, clock, step_line
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 
 def test_throughput_is_measured_from_the_first_step_and_excludes_evaluation_and_saves():
     pace = Pace(tokens_per_step=1000, flops_per_token=6e6, peak=1e12, started=0.0, end=21)
@@ -47,6 +49,7 @@ def test_mfu_peaks_come_from_the_data_sheet_or_the_config_and_flops_follow_the_f
     assert flops.model_flops_per_token(small, s) == 3 * (L * per_layer + 2 * (h * h + h * v))
 
 
+@pytest.mark.slow
 def test_training_logs_carry_pace_fields_and_a_consistent_rate(tiny_run):
     records = [json.loads(x) for x in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     first, second = records[0], records[1]  # steps 3 and 6 (evaluated and saved at 3)

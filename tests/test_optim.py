@@ -17,7 +17,10 @@ from clozax.core import optim as optim_lib
 from clozax.train import config as config_lib
 from clozax.train import loop as train_lib
 from clozax.train.run_dir import load_run
+from commands import one_line_error
 from conftest import TINY_OVERRIDES
+
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
 
 B1, B2, EPS = 0.9, 0.98, 1e-6
 
@@ -165,6 +168,7 @@ RECIPE = ["optim.optimizer=stable_adamw", "optim.schedule=1-sqrt", "optim.decay_
           "masking.rate=0.4", "masking.rate_end=0.15", "masking.ramp_steps=4"]
 
 
+@pytest.mark.slow
 def test_a_wsd_stable_adamw_mask_ramp_run_resumes_mid_ramp_bitwise(stdlib_data, tmp_path,
                                                                      capsys):
     cfg = config_lib.resolve(preset="tiny", overrides=[*TINY_OVERRIDES, *RECIPE])
@@ -194,17 +198,7 @@ def test_a_wsd_stable_adamw_mask_ramp_run_resumes_mid_ramp_bitwise(stdlib_data, 
 WSD = ["optim.schedule=1-sqrt", "optim.decay_fraction=0.5"]  # 6 steps, warm-up 2: decay from 4
 
 
-def _one_line(capsys, argv) -> str:
-    from clozax.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "\n" not in err
-    return err
-
-
+@pytest.mark.slow
 def test_a_decay_branch_equals_a_run_trained_with_that_decay_from_scratch(
         stdlib_data, tiny_run, tmp_path, capsys):
     from clozax.cli import main
@@ -236,8 +230,8 @@ def test_a_decay_branch_equals_a_run_trained_with_that_decay_from_scratch(
     for src, step, words in ((source, "6", "in the run's own decay (from step 4)"),
                              (source, "5", "has no checkpoint of step 5; it has 3, 6"),
                              (tiny_run, "3", "in the run's own decay (from step 2)")):
-        err = _one_line(capsys, ["train", "--data", str(stdlib_data), "--out",
-                                 str(tmp_path / f"bad{step}"), "--decay-from", str(src),
-                                 "--step", step, "--steps", "2"])
+        err = one_line_error(capsys, "train", "--data", stdlib_data, "--out",
+                             tmp_path / f"bad{step}", "--decay-from", src, "--step", step,
+                             "--steps", "2")
         assert words in err, err
         assert not (tmp_path / f"bad{step}").exists()

@@ -23,6 +23,8 @@ from clozax.train.phases import batch_stages, make_plan, tokens_at
 from clozax.train.recipes import apply_recipe
 from clozax.train.run_dir import load_run
 
+pytestmark = pytest.mark.fast  # make test-fast; tests marked slow stay out
+
 # --------------------------------------------------------------------------- config
 
 
@@ -202,17 +204,6 @@ learning_rate = 5e-4
 """
 
 
-@pytest.fixture(scope="module")
-def data32(stdlib_data, tmp_path_factory) -> Path:
-    """The built-in corpus in 32-token rows with ``stdlib_data``'s (64-token) tokenizer."""
-    from clozax.data import prepare
-
-    out = tmp_path_factory.mktemp("data") / "stdlib32"
-    prepare(out, corpus="stdlib", seq_len=32, tokenizer=stdlib_data / "tokenizer.json",
-            quiet=True)
-    return out
-
-
 def _params_equal(a: Path, b: Path) -> bool:
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
         jax.tree.leaves(load_run(a).params), jax.tree.leaves(load_run(b).params), strict=True))
@@ -287,6 +278,7 @@ batch_ramp_stages = 2
 """
 
 
+@pytest.mark.slow
 def test_microbatches_change_no_number_under_a_batch_ramp(data32, tmp_path):
     """``train.microbatches`` is speed-only in every stage of a batch ramp (4 then 8 rows): the
     same selected counts, token-weighted losses and parameters as one microbatch."""
@@ -327,6 +319,7 @@ steps = 4
 """
 
 
+@pytest.mark.slow
 def test_a_decay_branch_of_a_run_in_phases_equals_its_phases_trained_from_scratch(
         stdlib_data, tmp_path, capsys):
     from clozax.cli import main

@@ -4,13 +4,12 @@ the trained tiny encoder; group-level split; user task files; one-line errors.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from clozax.judge import probe as probe_lib
+from commands import one_line_error
 
 FILLER = ("alpha beta gamma delta epsilon theta kappa lambda sigma omega river stone cloud "
           "light green house table water paper music").split()
@@ -88,7 +87,7 @@ def test_a_user_task_file_with_text_label_group_is_probed(planted, tmp_path):
     assert result["results"]["trained"]["accuracy"] >= 0.9
 
 
-def test_probe_cli_rejects_one_class_or_missing_fields_in_one_line(planted, tmp_path):
+def test_probe_cli_rejects_one_class_or_missing_fields_in_one_line(planted, tmp_path, capsys):
     _, run, records = planted
     one = tmp_path / "one.jsonl"
     one.write_text("".join(json.dumps({"text": r["text"], "label": "x", "group": r["group"]})
@@ -96,7 +95,4 @@ def test_probe_cli_rejects_one_class_or_missing_fields_in_one_line(planted, tmp_
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"text": "a b c", "label": "x"}) + "\n")
     for path, message in ((one, "1 class"), (missing, "lacks field(s) group")):
-        proc = subprocess.run([sys.executable, "-m", "clozax.cli", "probe", str(run),
-                               "--task", str(path)], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert message in one_line_error(capsys, "probe", run, "--task", path)

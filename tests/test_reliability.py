@@ -29,21 +29,12 @@ from clozax.train import config as config_lib
 from clozax.train import heldout
 from clozax.train import loop as train_lib
 from clozax.train.run_dir import abstract_state, load_run
+from commands import one_line_error
 from conftest import TINY_OVERRIDES
 
 
 def _cfg(*extra):
     return config_lib.resolve(preset="tiny", overrides=[*TINY_OVERRIDES, *extra])
-
-
-def _one_line_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert err.startswith("error:") and "\n" not in err and "Traceback" not in captured.out
-    return err
 
 
 def _flat(params) -> np.ndarray:
@@ -54,17 +45,13 @@ def _flat(params) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def reprepared(stdlib_data, tmp_path_factory) -> dict:
+def reprepared(stdlib_data, data32, tmp_path_factory) -> dict:
     """The same corpus prepared again with the run's own tokenizer, once with another split
-    seed and once with another row length."""
+    seed and once with another row length (the session's ``data32``)."""
     root = tmp_path_factory.mktemp("reprepared")
-    tokenizer = stdlib_data / "tokenizer.json"
-    return {
-        "seed 1": prepare(root / "seed1", corpus="stdlib", seq_len=64, seed=1,
-                          tokenizer=tokenizer, quiet=True) and root / "seed1",
-        "seq_len 32": prepare(root / "seq32", corpus="stdlib", seq_len=32,
-                              tokenizer=tokenizer, quiet=True) and root / "seq32",
-    }
+    prepare(root / "seed1", corpus="stdlib", seq_len=64, seed=1,
+            tokenizer=stdlib_data / "tokenizer.json", quiet=True)
+    return {"seed 1": root / "seed1", "seq_len 32": data32}
 
 
 @pytest.mark.parametrize("which", ["seed 1", "seq_len 32"])
@@ -72,15 +59,15 @@ def test_a_reprepared_dataset_is_refused_by_train_evaluate_probe_and_audit(
         which, reprepared, tiny_run_copy, stdlib_data, capsys):
     other = reprepared[which]
     assert open_dataset(other).fingerprint != open_dataset(stdlib_data).fingerprint
-    err = _one_line_error(capsys, ["train", "--data", str(other), "--out", str(tiny_run_copy),
-                                   "--preset", "tiny", *sum((["--set", o] for o in
-                                                             TINY_OVERRIDES), [])])
+    overrides = [arg for o in TINY_OVERRIDES for arg in ("--set", o)]
+    err = one_line_error(capsys, "train", "--data", other, "--out", tiny_run_copy,
+                         "--preset", "tiny", *overrides)
     assert "was trained on dataset" in err and "re-prepared" in err
     # The run now points at the re-prepared directory (as if prepared again in place).
     info = json.loads((tiny_run_copy / "run.json").read_text())
     (tiny_run_copy / "run.json").write_text(json.dumps({**info, "dataset": str(other)}))
     for command in (["evaluate"], ["probe"], ["audit"]):
-        err = _one_line_error(capsys, [*command, str(tiny_run_copy)])
+        err = one_line_error(capsys, *command, str(tiny_run_copy))
         assert "does not match the data" in err and "fingerprint" in err, command
     with pytest.raises(ValueError, match=r"eval-mask set .* was built on dataset .*seq_len"):
         heldout.load_eval_masks(tiny_run_copy, open_dataset(other))
@@ -105,11 +92,12 @@ def test_evaluating_a_nan_checkpoint_is_an_error_not_a_score(tiny_run_copy, caps
     nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), state.params)
     checkpointer.save(run.step + 1, state._replace(params=nan), meta)
     checkpointer.close()
-    err = _one_line_error(capsys, ["evaluate", str(tiny_run_copy)])
+    err = one_line_error(capsys, "evaluate", str(tiny_run_copy))
     assert "not finite" in err and "positions" in err
     assert not (tiny_run_copy / "eval.json").exists()
 
 
+@pytest.mark.fast
 def test_strict_json_never_holds_nan(tmp_path):
     with pytest.raises(ValueError, match="Out of range float"):
         files.write_json(tmp_path / "x.json", {"loss": float("nan")})
@@ -256,6 +244,7 @@ def test_a_run_configured_for_cudnn_loads_evaluates_and_fills_on_a_cpu(tiny_run_
 # --------------------------------------------------------------------------- config values
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("override", "message"), [
     ("train.batch_size=true", "train.batch_size=True is not a whole number"),
     ("optim.learning_rate=inf", "optim.learning_rate=inf is not a finite number"),
@@ -269,8 +258,8 @@ def test_nonsense_config_values_are_one_line_errors(override, message, stdlib_da
                                                     capsys):
     with pytest.raises(ValueError, match=message):
         config_lib.resolve(overrides=[override])
-    err = _one_line_error(capsys, ["train", "--data", str(stdlib_data), "--out",
-                                   str(tmp_path / "r"), "--set", override])
+    err = one_line_error(capsys, "train", "--data", stdlib_data, "--out", tmp_path / "r",
+                         "--set", override)
     assert override.split("=")[0] in err
 
 

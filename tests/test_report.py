@@ -153,6 +153,7 @@ def test_probability_panel_shows_target_and_top_predictions(bare_report):
     assert _section(page, "What the model predicts").count("<mark>") == len(examples)
 
 
+@pytest.mark.fast
 def test_panel_positions_are_fixed_evenly_spaced_and_prefer_mask_slots():
     rows, count = 20, 4
     valid = np.ones((rows, count), bool)
@@ -202,6 +203,7 @@ def test_headline_claims_follow_the_measured_numbers(full_report):
     assert results["audit passes"] is False
 
 
+@pytest.mark.fast
 def test_claims_thresholds():
     def ev(t, u, r, n=10000):
         return {"trained": {"accuracy": t, "count": n}, "unigram": {"accuracy": u},

@@ -184,6 +184,7 @@ def test_wandb_project_without_wandb_installed_fails_in_one_line(stdlib_data, tm
     assert not out.exists()  # refused before anything was written
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["", "two words", "team/project", "tab\t", 7])
 def test_wandb_project_must_be_a_name(name):
     with pytest.raises(ValueError, match="train.wandb_project=.* is not a name"):

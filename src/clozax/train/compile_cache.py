@@ -6,6 +6,9 @@ start, a resume, ``evaluate`` or ``probe`` of the same shapes loads the compiled
 disk instead; on GPUs XLA's autotuning results are cached as well. The cache lives under the
 user's cache directory (``$XDG_CACHE_HOME/clozax/jax``, else ``~/.cache/clozax/jax``);
 ``CLOZAX_COMPILATION_CACHE=off`` turns it off and ``CLOZAX_COMPILATION_CACHE=DIR`` moves it.
+Programs that compile in under 0.5 s are not stored unless JAX's own
+``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise (the test suite stores every
+program, with ``JAX_COMPILATION_CACHE_MAX_SIZE`` bounding the directory).
 The cache is trusted code (JAX's own warning): keep it in a directory only you can write.
 """
 
@@ -17,6 +20,7 @@ from pathlib import Path
 ENV = "CLOZAX_COMPILATION_CACHE"
 OFF = ("off", "0", "false", "no", "none")
 MIN_COMPILE_SECONDS = 0.5  # programs that compile faster are not worth a disk round trip
+MIN_COMPILE_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 
 def cache_dir() -> Path | None:
@@ -43,7 +47,8 @@ def enable() -> Path | None:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    if MIN_COMPILE_ENV not in os.environ:  # JAX reads its own variable when it is set
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_enable_xla_caches",
                       "xla_gpu_per_fusion_autotune_cache_dir")
     return path
