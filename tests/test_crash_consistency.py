@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from orbax.checkpoint._src.path import step as orbax_step
 
 import faults
 from clozax.cli import main
@@ -133,6 +135,26 @@ def test_readers_beside_a_trainer_that_saves_every_other_step_never_disturb_it(w
     assert all(where == "." or where == "history" and re.fullmatch(per_step, n)
                for where, n in names), names
     # (That the watched run's numbers are an undisturbed run's: the next test ends equal.)
+
+
+def test_a_reader_opening_a_run_as_its_trainer_removes_an_old_step_takes_the_newest(
+        tiny_run_copy, monkeypatch):
+    # The instant the test above once met on a loaded machine: orbax lists the steps, then
+    # reads each one's metadata; a step the trainer's ``keep`` removes in between made
+    # orbax raise FileNotFoundError out of the reader. Here the removal is placed exactly there.
+    steps = ckpt.Checkpointer(tiny_run_copy, read_only=True).all_steps()
+    listed = orbax_step.Metadata.commit_timestamp
+    removed = []
+
+    def commit_timestamp(metadata):
+        if metadata.step == steps[0] and not removed:
+            shutil.rmtree(metadata.path)  # as the trainer's keep does
+            removed.append(metadata.step)
+        return listed.fget(metadata)
+
+    monkeypatch.setattr(orbax_step.Metadata, "commit_timestamp", property(commit_timestamp))
+    assert load_run(tiny_run_copy).step == steps[-1]
+    assert removed == [steps[0]] and len(steps) >= 2
 
 
 @pytest.mark.slow

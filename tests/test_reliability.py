@@ -6,15 +6,18 @@ Each test injects one fault into a copy of the session's tiny run or dataset.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from orbax.checkpoint._src.path import atomicity
 from rich.console import Console
 
 from clozax.cli import main
@@ -108,17 +111,31 @@ def test_strict_json_never_holds_nan(tmp_path):
 
 
 def _save_failing_with(error, run, monkeypatch) -> str:
-    """Step 7 saved with orbax's write raising ``error``; returns the one-line message."""
+    """Step 7 saved with orbax's write raising ``error``; returns the one-line message. Orbax's
+    background directory creation is slowed down (as on a loaded machine), and each write
+    asserts its temporary directory already exists: a directory created after the failure
+    surfaced would outlive the cleanup (a leftover temporary that CI once found)."""
+    created_late = atomicity._create_paths
 
-    def failing(self, *args, **kwargs):
+    async def late(*args, **kwargs):
+        await asyncio.sleep(0.5)
+        return await created_late(*args, **kwargs)
+
+    uncreated = []
+
+    def failing(self, directory, *args, **kwargs):
+        if not Path(directory).is_dir():
+            uncreated.append(directory)
         raise error
 
+    monkeypatch.setattr(atomicity, "_create_paths", late)
     monkeypatch.setattr(ocp.handlers.StandardCheckpointHandler, "async_save", failing)
     checkpointer = ckpt.Checkpointer(run)
     state, _ = checkpointer.restore(6, abstract_state(load_run(run).config))
     with pytest.raises(ckpt.CheckpointError) as raised:
         checkpointer.save(7, state, {"step": 7})
     checkpointer.close()
+    assert uncreated == [], "a write began before its temporary directory existed"
     return str(raised.value)
 
 

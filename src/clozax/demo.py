@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -186,8 +188,17 @@ def _release() -> None:
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory so far (Linux ``ru_maxrss``, in KiB), in GB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    """This process's peak resident memory so far, in GB: Linux's ``VmHWM`` (the high-water
+    mark of this program's own memory). ``ru_maxrss`` is only the fallback (other systems): on
+    Linux it survives ``exec``, so a demo started by a large process would report its
+    parent's peak."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        peak = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
+    except (OSError, AttributeError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
+        peak *= 1 if sys.platform == "darwin" else 1024  # KiB elsewhere
+    return peak / 1e9
 
 
 def _summary(report_path, run_dir, data_dir, step, seconds, evaluation, probe, audit) -> dict:

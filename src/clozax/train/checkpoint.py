@@ -71,12 +71,14 @@ class Checkpointer:
             self._remove_temporaries()  # left by a process killed while saving
         self.manager = None
         if not read_only or self.directory.is_dir():
-            self.manager = ocp.CheckpointManager(
-                self.directory,
-                options=ocp.CheckpointManagerOptions(
-                    max_to_keep=None if read_only else keep, create=not read_only,
-                    enable_async_checkpointing=not read_only, read_only=read_only),
-            )
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None if read_only else keep, create=not read_only,
+                enable_async_checkpointing=not read_only, read_only=read_only,
+                # The temporary directory exists once ``save`` returns, so a failed save's
+                # cleanup finds it (created in the background, it could appear after).
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+            self.manager = _beside_a_trainer(
+                lambda: ocp.CheckpointManager(self.directory, options=options))
         self._pending: int | None = None  # a save still being written
         self._waiter: threading.Thread | None = None  # records its digest once committed
         self._waiter_error: BaseException | None = None
@@ -213,7 +215,7 @@ class Checkpointer:
             try:
                 return self._restore_newest(abstract_state, say, set_aside, params_only)
             except Vanished:
-                self.manager.reload()
+                _beside_a_trainer(self.manager.reload)
         raise CheckpointError(f"the checkpoints in {self.directory} kept disappearing while "
                               "being read; retry once the run has finished")
 
@@ -279,6 +281,17 @@ class Checkpointer:
         if self.writes and self.directory.is_dir():
             for tmp in self.directory.glob(f"*{_TMP_MARK}*"):
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _beside_a_trainer(read: Callable, tries: int = 20):
+    """``read()`` (orbax listing the steps, then reading each one's metadata), again when a
+    live trainer's ``keep`` removed a step between the two (orbax's FileNotFoundError)."""
+    for _ in range(tries - 1):
+        try:
+            return read()
+        except FileNotFoundError:
+            time.sleep(0.05)
+    return read()
 
 
 class Unrestorable(CheckpointError):
