@@ -24,6 +24,7 @@ from clozax.judge import finetune_tasks as tasks
 from clozax.judge.finetune_predict import logits_of, predict_file
 from clozax.train import finetuned
 from clozax.train.run_dir import load_run
+from commands import clozax
 
 # Keywords and filler that are one piece each in the tiny run's 1,024-entry vocabulary.
 KEYWORDS = {"socket": "net", "thread": "task", "error": "fault"}
@@ -204,6 +205,61 @@ def test_token_labels_go_to_the_first_piece_and_round_trip(tiny_run):
     assert sum(int(v) >= 0 for v in y) == 3 and y[0] == y[-1] == tasks.IGNORE
 
 
+@pytest.mark.fast
+def test_every_metric_a_kind_names_is_one_it_scores():
+    labels = ["B-X", "O"]
+    for kind, names in tasks.METRICS.items():
+        y = [np.asarray([0, 1])] * 2 if kind == "tokens" else [0.0, 1.0, 0.0]
+        assert set(heads.metrics(kind, y, y, labels)) == set(names), kind
+        assert tasks.default_metric(kind) == names[0]
+
+
+@pytest.mark.fast
+def test_a_regression_file_with_the_default_pair_field_keeps_its_second_text(tmp_path):
+    records = [{"text": f"a man plays {i}", "text_pair": f"a cat sits {i}", "label": i / 2}
+               for i in range(4)]
+    raw = tasks.read_file(_write_jsonl(tmp_path / "sts.jsonl", records), "regression",
+                          tasks.Fields())
+    assert raw.texts[1] == ("a man plays 1", "a cat sits 1")
+    single = tasks.read_file(_write_jsonl(tmp_path / "one.jsonl", [
+        {"text": "one text", "label": 1.0}]), "regression", tasks.Fields())
+    assert single.texts == [("one text",)]
+
+
+def test_a_word_that_tokenizes_to_nothing_shifts_no_tag(finetuned_runs, tmp_path):
+    # A zero-width space, a soft hyphen and a BOM have no piece to read: each gets no tag,
+    # and every other word the tag it has without them (once: its neighbour's, and the last
+    # word dropped).
+    run, results = finetuned_runs
+    model_dir = run / "finetune" / results["tokens"]["task"]["name"] / "model"
+    words = ["the", "socket", "\u200b", "opens", "\u00ad", "a", "thread", "\ufeff", "now"]
+    plain = [w for w in words if w not in ("\u200b", "\u00ad", "\ufeff")]
+    tok = load_tokenizer(model_dir / "tokenizer.json")
+    assert all(tok.encode([w], is_pretokenized=True, add_special_tokens=False).ids == []
+               for w in words if w not in plain)  # the case this test is about
+    got, = predict_file(model_dir, _write_jsonl(tmp_path / "in.jsonl", [{"tokens": words}]))
+    want, = predict_file(model_dir, _write_jsonl(tmp_path / "plain.jsonl", [{"tokens": plain}]))
+    assert [t["word"] for t in got["tokens"]] == words
+    assert [t for t in got["tokens"] if t["word"] in plain] == want["tokens"]
+    assert all(t["tag"] is None and t["score"] is None
+               for t in got["tokens"] if t["word"] not in plain)
+
+
+def test_predict_at_a_step_reads_that_steps_model(finetuned_runs, task_files, tmp_path, capsys):
+    import shutil
+
+    run, results = finetuned_runs
+    name = results["classification"]["task"]["name"]
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    # only a fine-tuning of step 3 exists (as `finetune RUN --step 3` makes)
+    (copy / "finetune" / name).rename(copy / "finetune" / f"{name}-step3")
+    ran = clozax(capsys, "finetune", str(copy), "--task", str(task_files["classification"]),
+                 "--step", "3", "--predict", str(task_files["classification"]))
+    out = ran.out.splitlines()
+    assert ran.code == 0 and len(out) == 360 and "label" in json.loads(out[0]), ran.err
+
+
 GLUE_LINES = {
     "cola": ("CoLA", None, ["gj04\t1\t\tThe sailors rode the breeze clear of the rocks.",
                             "gj04\t0\t*\tThe more we study verbs, the crazier they get get."]),
@@ -255,12 +311,15 @@ def test_glue_layouts_parse(tmp_path):
     ("unseen test label", "test label 'gamma' never appears in training"),
     ("empty text", "field 'text' is empty"),
     ("pair without its second text", "has no field 'text_pair'"),
+    # before any job trains (it once trained two jobs, then ended in a KeyError traceback)
+    ("unknown metric", "--metric 'f1' is not scored for a classification task; choose one of "
+                       "accuracy, macro_f1, matthews"),
 ])
 def test_bad_task_input_is_one_line(tiny_run, tmp_path, case, message):
     run = load_run(tiny_run)
     tok = load_tokenizer(run.tokenizer_path)
     good = [{"text": f"some text {i}", "label": "ab"[i % 2]} for i in range(40)]
-    kind, test = "classification", None
+    kind, test, metric = "classification", None, None
     if case == "no label field":
         records = [{"text": "x", "category": "a"}]
     elif case == "one class":
@@ -270,11 +329,13 @@ def test_bad_task_input_is_one_line(tiny_run, tmp_path, case, message):
         test = _write_jsonl(tmp_path / "test.jsonl", [{"text": "t", "label": "gamma"}])
     elif case == "empty text":
         records = [*good, {"text": "  ", "label": "a"}]
+    elif case == "unknown metric":
+        records, metric = good, "f1"
     else:
         records, kind = good, "pair"
     train = _write_jsonl(tmp_path / "train.jsonl", records)
     with pytest.raises(ValueError) as error:
-        ft.load_task(ft.TaskSpec(train=train, test=test, kind=kind), run, tok)
+        ft.load_task(ft.TaskSpec(train=train, test=test, kind=kind, metric=metric), run, tok)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

@@ -81,7 +81,7 @@ def finetune(
         from clozax.judge.finetune_predict import predict_file
 
         model_dir = run if (run / "finetuned.json").is_file() else \
-            run / "finetune" / spec.task_name() / "model"
+            ft.task_dir(run, spec.task_name(), step) / "model"
         for record in predict_file(model_dir, predict, fields):
             print(json.dumps(record))
         return
@@ -95,4 +95,4 @@ def finetune(
     result = ft.finetune_run(run, spec, protocol, step=step)
     console = Console()
     console.print(ft.summary_table(result))
-    console.print(f"wrote {run / 'finetune' / result['task']['name'] / ft.RESULT_FILE}")
+    console.print(f"wrote {ft.task_dir(run, result['task']['name'], step) / ft.RESULT_FILE}")

@@ -123,7 +123,8 @@ def cap_train(task: tasks.Task, limit: int | None, seed: int) -> tasks.Task:
         return task
     keep = sorted(np.random.default_rng([seed, 7]).permutation(len(split))[:limit].tolist())
     capped = tasks.Split([split.ids[i] for i in keep], [split.y[i] for i in keep],
-                         [split.text[i] for i in keep], split.truncated)
+                         [split.text[i] for i in keep], split.truncated,
+                         [split.word_of[i] for i in keep] if split.word_of else [])
     task.accounting["train_capped_to"] = limit
     return replace(task, splits={**task.splits, "train": capped})
 
@@ -226,9 +227,15 @@ def finetune_run(run_dir: Path, spec: TaskSpec | None = None, protocol: Protocol
     tokenizer = load_tokenizer(run.tokenizer_path)
     task = cap_train(load_task(spec, run, tokenizer), protocol.max_train_examples,
                      spec.split_seed)
-    out = run_dir / "finetune" / (task.name if step is None else f"{task.name}-step{step}")
+    out = task_dir(run_dir, task.name, step)
     with locks.hold(out, f"fine-tuning {out}", say=say):
         return _protocol(run, task, protocol, out, say, progress, started)
+
+
+def task_dir(run_dir: Path, task_name: str, step: int | None = None) -> Path:
+    """Where a task's fine-tuning of ``run_dir`` lives: ``RUN/finetune/TASK``, or
+    ``TASK-step{step}`` for a given checkpoint step."""
+    return Path(run_dir) / "finetune" / (task_name if step is None else f"{task_name}-step{step}")
 
 
 def _protocol(run, task, protocol, out: Path, say, progress: bool, started: float) -> dict:

@@ -70,9 +70,13 @@ def predict_file(model_dir: Path, path: Path, fields: tasks.Fields | None = None
         elif kind == "tokens":
             first = np.flatnonzero(np.asarray(split.y[i]) >= 0)  # each kept word's first piece
             p = _softmax(logits[first])
-            out.append({"tokens": [{"word": w, "tag": labels[int(k)], "score": float(q.max())}
-                                   for w, k, q in zip(raw.words[i], p.argmax(-1), p,
-                                                      strict=False)]})
+            read = {int(w): q for w, q in zip(split.word_of[i], p, strict=True)}
+            # a word with no piece to read (it tokenizes to nothing, or truncation cut it)
+            # gets no tag rather than its neighbour's
+            out.append({"tokens": [
+                {"word": w, "tag": labels[int(read[j].argmax())], "score": float(read[j].max())}
+                if j in read else {"word": w, "tag": None, "score": None}
+                for j, w in enumerate(raw.words[i])]})
         else:
             p = _softmax(logits)
             out.append({"label": labels[int(p.argmax())], "score": float(p.max())})

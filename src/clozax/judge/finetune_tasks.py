@@ -67,6 +67,9 @@ class Split:
     y: list
     text: list[str]
     truncated: int = 0
+    # token tasks: per example, the word each labelled position (a word's first piece) reads;
+    # a word with no piece (a zero-width space, a soft hyphen) or cut by truncation has none
+    word_of: list[np.ndarray] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -211,7 +214,16 @@ def read_file(path: Path, kind: str, fields: Fields) -> Raw:
             raise ValueError(f"{path} is a CoNLL file; pass --kind tokens")
         return read_conll(path)
     return read_table(path, kind, fields, pair=kind == "pair" or
-                      (kind == "regression" and fields.pair != Fields.pair))
+                      (kind == "regression" and _has_pair_field(path, fields)))
+
+
+def _has_pair_field(path: Path, fields: Fields) -> bool:
+    """A regression file is a pair task (STS-style) when its first record has the pair field
+    (or a non-default ``--pair-field`` was given)."""
+    if fields.pair != Fields.pair:
+        return True
+    first = next(iter(_records(path)), None)
+    return first is not None and fields.pair in first[1]
 
 
 # --------------------------------------------------------------------------- splitting
@@ -302,14 +314,17 @@ def encode(tokenizer, raw: Raw, kind: str, labels: list[str] | None, specials: d
             if len(ids) > seq_len - 2:
                 ids, word_ids = ids[: seq_len - 2], word_ids[: seq_len - 2]
                 out.truncated += 1
-            y = [IGNORE]
+            y, word_of = [IGNORE], []
             previous = None
             for w in word_ids:
-                y.append(index[tags[w]] if w is not None and w != previous else IGNORE)
+                first = w is not None and w != previous
+                y.append(index[tags[w]] if first else IGNORE)
+                word_of += [w] if first else []
                 previous = w
             y.append(IGNORE)
             out.ids.append(np.asarray([cls, *ids, sep], np.int32))
             out.y.append(np.asarray(y, np.int32))
+            out.word_of.append(np.asarray(word_of, np.int32))
             out.text.append(" ".join(words))
         return out, dropped
     for texts, value, where in zip(raw.texts, raw.targets, raw.where, strict=True):
@@ -338,6 +353,9 @@ def build(name: str, kind: str, source: str, metric: str, raws: dict[str, Raw], 
           specials: dict, seq_len: int, carved: set[str]) -> Task:
     """Encode every split of ``raws``; unseen labels in a ``carved`` split are dropped and
     counted, in a split the user gave they are an error."""
+    if metric not in METRICS[kind]:
+        raise ValueError(f"--metric {metric!r} is not scored for a {kind} task; choose one of "
+                         f"{', '.join(METRICS[kind])}")
     labels = _label_names(raws["train"], kind)
     splits, dropped = {}, {}
     for split in SPLITS:
@@ -357,6 +375,14 @@ def build(name: str, kind: str, source: str, metric: str, raws: dict[str, Raw], 
     return Task(name, kind, labels, splits, source, metric, accounting, pair)
 
 
+# Every metric a task kind scores (``finetune_heads.metrics``), its default first.
+METRICS = {
+    "classification": ("accuracy", "macro_f1", "matthews"),
+    "pair": ("accuracy", "macro_f1", "matthews"),
+    "regression": ("pearson_spearman", "pearson", "spearman"),
+    "tokens": ("entity_f1", "entity_precision", "entity_recall", "accuracy"),
+}
+
+
 def default_metric(kind: str) -> str:
-    return {"classification": "accuracy", "pair": "accuracy",
-            "regression": "pearson_spearman", "tokens": "entity_f1"}[kind]
+    return METRICS[kind][0]
