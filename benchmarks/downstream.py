@@ -169,8 +169,8 @@ def main() -> None:
                               "worst": m["worst"], "seconds_per_job": s["seconds_per_job"],
                               "tfidf": result.get("tfidf", {}).get("test", {}).get(metric),
                               "examples": result["task"]["examples"],
-                              "outside_spread": result["trained_minus_random_init"][
-                                  "outside_the_seed_spread"],
+                              "minus_random_init": result["trained_minus_random_init"],
+                              "minus_tfidf": result.get("trained_minus_tfidf"),
                               "seconds": round(time.perf_counter() - started, 1)})
                 row = table[-1]
                 print(f"{task:8s} {str(run):32s} {name:12s} lr {row['lr']:g}: test {metric} "

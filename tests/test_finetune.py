@@ -215,6 +215,27 @@ def test_every_metric_a_kind_names_is_one_it_scores():
 
 
 @pytest.mark.fast
+def test_a_difference_over_seeds_is_welchs_interval_and_one_seed_has_none():
+    from scipy import stats
+
+    from clozax.judge.claims import difference_words, seed_difference
+
+    a, b = [0.60, 0.62, 0.58, 0.61], [0.30, 0.35, 0.29]
+    d = seed_difference(a, b)
+    welch = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert d["interval"] == pytest.approx([welch.low, welch.high]) and d["clear"]
+    # against a fixed baseline (TF-IDF): the one-sample interval, shifted
+    one = stats.ttest_1samp(a, 0.59).confidence_interval(0.95)
+    near = seed_difference(a, 0.59)
+    assert near["interval"] == pytest.approx([one.low - 0.59, one.high - 0.59])
+    assert not near["clear"] and "not clear" in difference_words(near)
+    # once, mean ± 1 std called any one-seed difference "outside the seed spread"
+    single = seed_difference([0.9], [0.1])
+    assert single["interval"] is None and not single["clear"]
+    assert "one seed: no interval" in difference_words(single)
+
+
+@pytest.mark.fast
 def test_a_regression_file_with_the_default_pair_field_keeps_its_second_text(tmp_path):
     records = [{"text": f"a man plays {i}", "text_pair": f"a cat sits {i}", "label": i / 2}
                for i in range(4)]

@@ -77,3 +77,42 @@ def pp(x: float) -> str:
 def ci(interval, pp: bool = False) -> str:
     lo, hi = interval
     return f"[{100 * lo:+.1f}, {100 * hi:+.1f}] pp" if pp else f"[{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def seed_difference(a: list[float], b, level: float = 0.95) -> dict:
+    """``mean(a) - mean(b)`` with its ``level`` interval over seeds: Welch's t interval when
+    ``b`` is a list of per-seed scores, the one-sample t interval when ``b`` is one fixed number
+    (a deterministic baseline: TF-IDF, the constant predictor). ``clear`` only when the interval
+    excludes zero; with a single seed on a side there is no interval (``interval`` None, never
+    clear, ``note`` says so)."""
+    from scipy import stats
+
+    a = [float(x) for x in a]
+    fixed = not isinstance(b, (list, tuple))
+    b = [float(b)] if fixed else [float(x) for x in b]
+    mean = sum(a) / len(a) - sum(b) / len(b)
+    out = {"mean": mean, "seeds": [len(a)] if fixed else [len(a), len(b)], "level": level}
+    if len(a) < 2 or (not fixed and len(b) < 2):
+        return {**out, "interval": None, "clear": False, "note": "one seed: no interval"}
+
+    def variance(x):  # of the mean
+        m = sum(x) / len(x)
+        return sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x)
+
+    va, vb = variance(a), 0.0 if fixed else variance(b)
+    se = math.sqrt(va + vb)
+    if se == 0.0:  # every seed scored the same: the difference is exact
+        return {**out, "interval": [mean, mean], "clear": mean != 0.0}
+    df = len(a) - 1 if fixed else (va + vb) ** 2 / (
+        va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch–Satterthwaite
+    half = float(stats.t.ppf(0.5 + level / 2, df)) * se
+    return {**out, "interval": [mean - half, mean + half], "df": df,
+            "clear": mean - half > 0.0 or mean + half < 0.0}
+
+
+def difference_words(d: dict) -> str:
+    """``+3.1 pp [+1.2, +5.0] pp, clear`` — one line for a ``seed_difference``."""
+    if d["interval"] is None:
+        return f"{pp(d['mean'])} ({d['note']})"
+    return f"{pp(d['mean'])} {ci(d['interval'], pp=True)} ({100 * d['level']:.0f} % interval " \
+           f"over seeds{', clear' if d['clear'] else ', includes 0: not clear'})"

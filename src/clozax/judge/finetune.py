@@ -39,6 +39,7 @@ from clozax.judge import finetune_heads as heads
 from clozax.judge import finetune_jobs as jobs_lib
 from clozax.judge import finetune_tasks as tasks
 from clozax.judge import probe as probe_lib
+from clozax.judge.claims import seed_difference
 from clozax.judge.finetune_jobs import ADAM, Protocol
 from clozax.train import finetuned
 from clozax.train.run_dir import load_run, open_run_dataset
@@ -324,14 +325,14 @@ def _result(run, task, protocol, setup, results: dict, started: float) -> dict:
         "encoders": results,
         "constant_baseline": {"test": constant_baseline(task)},
     }
+    trained = results["trained"]["selected"]["test"][metric]["per_seed"]
     if task.kind in ("classification", "pair"):
         out["tfidf"] = tfidf_baseline(task)
+        out["trained_minus_tfidf"] = {"metric": metric, **seed_difference(
+            trained, out["tfidf"]["test"][metric])}
     if "random_init" in results:
-        a = results["trained"]["selected"]["test"][metric]
-        b = results["random_init"]["selected"]["test"][metric]
-        out["trained_minus_random_init"] = {
-            "metric": metric, "mean": a["mean"] - b["mean"],
-            "outside_the_seed_spread": a["mean"] - a["std"] > b["mean"] + b["std"]}
+        out["trained_minus_random_init"] = {"metric": metric, **seed_difference(
+            trained, results["random_init"]["selected"]["test"][metric]["per_seed"])}
     out["seconds"] = round(time.perf_counter() - started, 2)
     return out
 

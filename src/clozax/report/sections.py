@@ -10,7 +10,7 @@ import platform
 from pathlib import Path
 from typing import NamedTuple
 
-from clozax.judge.claims import audit_counts, ci, claims, pct, pp
+from clozax.judge.claims import audit_counts, ci, claims, difference_words, pct, pp
 from clozax.report.figures import token_label
 
 
@@ -199,9 +199,9 @@ def finetune_section(result: dict) -> dict:
              f"{result['protocol']['learning_rates']}, {result['protocol']['epochs']} epochs, "
              f"{result['protocol']['head']} head")
     if d:
-        facts += (f"; trained − random init {d['mean']:+.4f} "
-                  + ("(outside the seed spread)" if d["outside_the_seed_spread"]
-                     else "(not outside the seed spread)"))
+        facts += f"; trained − random init {difference_words(d)}"
+    if result.get("trained_minus_tfidf"):
+        facts += f"; trained − TF-IDF {difference_words(result['trained_minus_tfidf'])}"
     return {"table": Table(["encoder", "learning rate", f"test {metric} (mean ± std)",
                             "worst seed", "s / job"], rows, frozenset({1, 2, 3, 4})),
             "facts": facts}
