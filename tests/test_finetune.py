@@ -3,6 +3,7 @@ job's commit, exports are transformers' classes with its logits, bad input is on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -182,6 +183,40 @@ def _without_seconds(result: dict) -> str:
 
 
 @pytest.mark.fast
+def test_a_diverging_rate_is_a_result_and_the_grid_goes_on(tiny_run_copy, task_files,
+                                                           monkeypatch):
+    # The step reports a non-finite loss at the rate 0.5 only (as a too-high rate does).
+    made = jobs_lib.make_setup
+
+    def make_setup(*args, **kwargs):
+        setup = made(*args, **kwargs)
+
+        def step_fn(params, opt_state, batch, key, rate):
+            params, opt_state, s, n = setup.step_fn(params, opt_state, batch, key, rate)
+            return params, opt_state, s * np.nan if float(rate) == 0.5 else s, n
+
+        return dataclasses.replace(setup, step_fn=step_fn)
+
+    monkeypatch.setattr(jobs_lib, "make_setup", make_setup)
+    grid = ft.Protocol(learning_rates=(5e-3, 0.5), seeds=2, epochs=2, batch_size=16,
+                       control=False)
+    said = []
+    result = ft.finetune_run(tiny_run_copy, ft.TaskSpec(train=task_files["classification"]),
+                             grid, say=said.append, progress=False)
+    trained = result["encoders"]["trained"]
+    assert [d["learning_rate"] for d in trained["diverged"]] == [0.5]
+    seeds = trained["diverged"][0]["seeds"]  # each seed stopped at its first epoch's end
+    assert set(seeds) == {"0", "1"} and all(v["epoch"] == 1 and v["step"] > 0
+                                            for v in seeds.values())
+    assert trained["selected"]["learning_rate"] == 5e-3
+    assert [s["learning_rate"] for s in trained["settings"]] == [5e-3]
+    assert sum("diverged at step" in line for line in said) == 2
+    with pytest.raises(ValueError, match=r"diverged at every learning rate \(0.5\); pass lower"):
+        ft.finetune_run(tiny_run_copy, ft.TaskSpec(train=task_files["classification"]),
+                        dataclasses.replace(grid, learning_rates=(0.5,)), say=said.append,
+                        progress=False)
+
+
 def test_entity_f1_follows_seqeval():
     # seqeval's documented example: F1 0.50 (one of two entities exactly right).
     gold = [["O", "O", "O", "B-MISC", "I-MISC", "I-MISC", "O"], ["B-PER", "I-PER", "O"]]

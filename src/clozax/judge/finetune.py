@@ -180,20 +180,30 @@ def _spread(values: list[float], higher_is_better: bool = True) -> dict:
 
 
 def summarise(records: list[dict], metric: str) -> dict:
-    """Per learning rate: validation and test spreads; the rate chosen on mean validation."""
+    """Per learning rate: validation and test spreads; the rate chosen on mean validation. A
+    rate at which any seed diverged is recorded as diverged (with each seed's step) and never
+    chosen; when every rate diverged the protocol fails in one line."""
     by_lr: dict[float, list[dict]] = {}
     for r in records:
         by_lr.setdefault(r["learning_rate"], []).append(r)
-    settings = []
+    settings, diverged = [], []
     for lr, rs in sorted(by_lr.items()):
         rs = sorted(rs, key=lambda r: r["seed"])
+        if any("diverged" in r for r in rs):
+            diverged.append({"learning_rate": lr, "seeds": {
+                str(r["seed"]): r["diverged"] for r in rs if "diverged" in r}})
+            continue
         names = sorted(rs[0]["test"])
         settings.append({"learning_rate": lr, "seeds": [r["seed"] for r in rs],
                          "validation": _spread([r["validation"][metric] for r in rs]),
                          "test": {m: _spread([r["test"][m] for r in rs]) for m in names},
                          "seconds_per_job": float(np.mean([r["seconds"] for r in rs]))})
+    if not settings:
+        rates = ", ".join(f"{d['learning_rate']:g}" for d in diverged)
+        raise ValueError(f"fine-tuning diverged at every learning rate ({rates}); pass lower "
+                         "rates with --lr")
     chosen = max(settings, key=lambda s: (s["validation"]["mean"], -s["learning_rate"]))
-    return {"settings": settings, "selected": chosen}
+    return {"settings": settings, "selected": chosen, "diverged": diverged}
 
 
 def _fingerprint(run, task: tasks.Task, protocol: Protocol) -> dict:
@@ -268,10 +278,13 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
             record, params = jobs_lib.run_job(setup, task, encoders[encoder], lr, seed,
                                      None if bar is None else
                                      (lambda n: bar[0].advance(bar[1], n)))
-            if encoder == "trained":
+            if encoder == "trained" and params is not None:
                 _keep_if_best(jobs_dir, lr, record, params, task.metric)
             files.write_json(jobs_dir / f"{name}.json", record)  # the job's commit
-            if bar is None:
+            if "diverged" in record:
+                say(f"{name}: diverged at step {record['diverged']['step']} (loss "
+                    f"{record['diverged']['loss']}); this rate is not selected")
+            elif bar is None:
                 say(f"{name}: validation {task.metric} {record['validation'][task.metric]:.4f}"
                     f", test {record['test'][task.metric]:.4f} ({record['seconds']:.1f} s)")
     finally:
@@ -375,6 +388,10 @@ def summary_table(result: dict):
         m = s["test"][metric]
         table.add_row(name, f"{s['learning_rate']:g}", f"{m['mean']:.4f} ± {m['std']:.4f}",
                       f"{m['worst']:.4f}", f"{s['seconds_per_job']:.1f}")
+    for name, r in result["encoders"].items():
+        for d in r.get("diverged", []):
+            steps = ", ".join(f"seed {k} at step {v['step']}" for k, v in d["seeds"].items())
+            table.add_row(name, f"{d['learning_rate']:g}", "diverged", steps, "")
     if "tfidf" in result:
         table.add_row("TF-IDF + logistic regression", f"C={result['tfidf']['C']:g}",
                       f"{result['tfidf']['test'][metric]:.4f}", "", "")

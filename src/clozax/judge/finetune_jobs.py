@@ -251,9 +251,11 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
             if advance is not None:
                 advance(1)
         losses.append(float(total) / max(float(count), 1.0))
-    if not np.isfinite(losses[-1]):
-        raise ValueError(f"fine-tuning diverged at learning rate {lr:g} (seed {seed}, loss "
-                         f"{losses[-1]}); drop that rate from --lr")
+        if not np.isfinite(losses[-1]):  # a result, not an error: the protocol goes on
+            return {"learning_rate": lr, "seed": seed, "steps": step,
+                    "train_loss_per_epoch": [x if np.isfinite(x) else str(x) for x in losses],
+                    "diverged": {"epoch": epoch + 1, "step": step, "loss": str(losses[-1])},
+                    "seconds": round(time.perf_counter() - started, 2)}, None
     record = {"learning_rate": lr, "seed": seed, "steps": step,
               "train_loss_per_epoch": losses,
               "validation": score(setup, task, params, "validation"),
