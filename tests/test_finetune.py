@@ -268,6 +268,10 @@ def test_a_difference_over_seeds_is_welchs_interval_and_one_seed_has_none():
     single = seed_difference([0.9], [0.1])
     assert single["interval"] is None and not single["clear"]
     assert "one seed: no interval" in difference_words(single)
+    # a result.json written before intervals (mean ± 1 std) still reads, saying what it lacks
+    older = {"metric": "accuracy", "mean": 0.3, "outside_the_seed_spread": True}
+    assert difference_words(older) == "+30.0 pp (no interval recorded: rerun clozax finetune " \
+                                      "for one)"
 
 
 @pytest.mark.fast

@@ -111,7 +111,10 @@ def seed_difference(a: list[float], b, level: float = 0.95) -> dict:
 
 
 def difference_words(d: dict) -> str:
-    """``+3.1 pp [+1.2, +5.0] pp, clear`` — one line for a ``seed_difference``."""
+    """``+3.1 pp [+1.2, +5.0] pp (95 % interval over seeds, clear)`` — one line for a
+    ``seed_difference`` (or for a result written before intervals, which had none)."""
+    if "interval" not in d:
+        return f"{pp(d['mean'])} (no interval recorded: rerun clozax finetune for one)"
     if d["interval"] is None:
         return f"{pp(d['mean'])} ({d['note']})"
     return f"{pp(d['mean'])} {ci(d['interval'], pp=True)} ({100 * d['level']:.0f} % interval " \
