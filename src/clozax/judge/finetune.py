@@ -181,8 +181,7 @@ def _spread(values: list[float], higher_is_better: bool = True) -> dict:
 
 def summarise(records: list[dict], metric: str) -> dict:
     """Per learning rate: validation and test spreads; the rate chosen on mean validation. A
-    rate at which any seed diverged is recorded as diverged (with each seed's step) and never
-    chosen; when every rate diverged the protocol fails in one line."""
+    rate where a seed diverged is recorded (each seed's step), never chosen; all: one line."""
     by_lr: dict[float, list[dict]] = {}
     for r in records:
         by_lr.setdefault(r["learning_rate"], []).append(r)
@@ -244,8 +243,7 @@ def finetune_run(run_dir: Path, spec: TaskSpec | None = None, protocol: Protocol
 
 
 def task_dir(run_dir: Path, task_name: str, step: int | None = None) -> Path:
-    """Where a task's fine-tuning of ``run_dir`` lives: ``RUN/finetune/TASK``, or
-    ``TASK-step{step}`` for a given checkpoint step."""
+    """``RUN/finetune/TASK``, or ``TASK-step{step}`` for a given checkpoint step."""
     return Path(run_dir) / "finetune" / (task_name if step is None else f"{task_name}-step{step}")
 
 
@@ -388,7 +386,6 @@ def summary_table(result: dict):
         m = s["test"][metric]
         table.add_row(name, f"{s['learning_rate']:g}", f"{m['mean']:.4f} ± {m['std']:.4f}",
                       f"{m['worst']:.4f}", f"{s['seconds_per_job']:.1f}")
-    for name, r in result["encoders"].items():
         for d in r.get("diverged", []):
             steps = ", ".join(f"seed {k} at step {v['step']}" for k, v in d["seeds"].items())
             table.add_row(name, f"{d['learning_rate']:g}", "diverged", steps, "")
