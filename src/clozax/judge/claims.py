@@ -87,27 +87,21 @@ def seed_difference(a: list[float], b, level: float = 0.95) -> dict:
     clear, ``note`` says so)."""
     from scipy import stats
 
-    a = [float(x) for x in a]
     fixed = not isinstance(b, (list, tuple))
-    b = [float(b)] if fixed else [float(x) for x in b]
+    a, b = [float(x) for x in a], [float(b)] if fixed else [float(x) for x in b]
     mean = sum(a) / len(a) - sum(b) / len(b)
     out = {"mean": mean, "seeds": [len(a)] if fixed else [len(a), len(b)], "level": level}
     if len(a) < 2 or (not fixed and len(b) < 2):
         return {**out, "interval": None, "clear": False, "note": "one seed: no interval"}
-
-    def variance(x):  # of the mean
-        m = sum(x) / len(x)
-        return sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x)
-
-    va, vb = variance(a), 0.0 if fixed else variance(b)
-    se = math.sqrt(va + vb)
-    if se == 0.0:  # every seed scored the same: the difference is exact
+    if len(set(a)) == 1 and len(set(b)) == 1:  # every seed scored the same: exact
         return {**out, "interval": [mean, mean], "clear": mean != 0.0}
-    df = len(a) - 1 if fixed else (va + vb) ** 2 / (
-        va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch–Satterthwaite
-    half = float(stats.t.ppf(0.5 + level / 2, df)) * se
-    return {**out, "interval": [mean - half, mean + half], "df": df,
-            "clear": mean - half > 0.0 or mean + half < 0.0}
+    if fixed:  # the one-sample interval of a around b, shifted to a difference
+        low, high = stats.ttest_1samp(a, b[0]).confidence_interval(level)
+        low, high = low - b[0], high - b[0]
+    else:
+        low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(level)
+    return {**out, "interval": [float(low), float(high)],
+            "clear": bool(low > 0.0 or high < 0.0)}
 
 
 def difference_words(d: dict) -> str:

@@ -123,11 +123,8 @@ def cap_train(task: tasks.Task, limit: int | None, seed: int) -> tasks.Task:
     if limit is None or len(split) <= limit:
         return task
     keep = sorted(np.random.default_rng([seed, 7]).permutation(len(split))[:limit].tolist())
-    capped = tasks.Split([split.ids[i] for i in keep], [split.y[i] for i in keep],
-                         [split.text[i] for i in keep], split.truncated,
-                         [split.word_of[i] for i in keep] if split.word_of else [])
     task.accounting["train_capped_to"] = limit
-    return replace(task, splits={**task.splits, "train": capped})
+    return replace(task, splits={**task.splits, "train": split.select(keep)})
 
 
 # --------------------------------------------------------------------------- baselines

@@ -74,6 +74,12 @@ class Split:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def select(self, keep: list[int]) -> Split:
+        """The examples ``keep`` (indices), in that order."""
+        return Split([self.ids[i] for i in keep], [self.y[i] for i in keep],
+                     [self.text[i] for i in keep], self.truncated,
+                     [self.word_of[i] for i in keep] if self.word_of else [])
+
 
 @dataclass
 class Task:

@@ -211,11 +211,14 @@ class Checkpointer:
         ``say``. With ``set_aside`` (training, which will save those steps again) a damaged
         step is moved to ``RUN/checkpoints_damaged/`` rather than deleted. A step a live
         trainer removes meanwhile (a reader's race) is passed over for the newest one."""
+        stale = False
         for _ in range(20):  # each retry follows a step deleted by a concurrent trainer
             try:
+                if stale:
+                    self.manager.reload()  # orbax may raise FileNotFoundError here too
                 return self._restore_newest(abstract_state, say, set_aside, params_only)
-            except Vanished:
-                _beside_a_trainer(self.manager.reload)
+            except (Vanished, FileNotFoundError):
+                stale = True
         raise CheckpointError(f"the checkpoints in {self.directory} kept disappearing while "
                               "being read; retry once the run has finished")
 
@@ -284,8 +287,9 @@ class Checkpointer:
 
 
 def _beside_a_trainer(read: Callable, tries: int = 20):
-    """``read()`` (orbax listing the steps, then reading each one's metadata), again when a
-    live trainer's ``keep`` removed a step between the two (orbax's FileNotFoundError)."""
+    """``read()`` (orbax opening a manager: it lists the steps, then reads each one's
+    metadata), again when a live trainer's ``keep`` removed a step between the two (orbax's
+    FileNotFoundError). ``restore_latest`` retries its own reloads the same way."""
     for _ in range(tries - 1):
         try:
             return read()
