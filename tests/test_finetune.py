@@ -217,6 +217,43 @@ def test_a_diverging_rate_is_a_result_and_the_grid_goes_on(tiny_run_copy, task_f
                         progress=False)
 
 
+def test_a_rerun_trains_only_new_jobs_and_model_is_always_the_job_result_names(
+        tiny_run_copy, task_files, monkeypatch):
+    real, trained = jobs_lib.run_job, []
+
+    def counted(*args, **kwargs):
+        trained.append((args[3], args[4], kwargs.get("until_epoch")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jobs_lib, "run_job", counted)
+    spec = ft.TaskSpec(train=task_files["classification"], name="grid")
+    one = ft.Protocol(learning_rates=(1e-3,), seeds=2, epochs=2, batch_size=16, control=False)
+    ft.finetune_run(tiny_run_copy, spec, one, say=lambda _: None, progress=False)
+    assert [t for t in trained if t[2] is None] == [(1e-3, 0, None), (1e-3, 1, None)]
+
+    def names_its_model(result):
+        meta = json.loads((tiny_run_copy / "finetune" / "grid" / "model" /
+                           "finetuned.json").read_text())
+        sel = result["encoders"]["trained"]["selected"]
+        assert meta["job"] == result["model"]
+        assert (meta["learning_rate"], meta["seed"]) == (sel["learning_rate"],
+                                                         sel["best_seed"]["seed"])
+        assert meta["metric"] == result["task"]["metric"]
+
+    trained.clear()
+    two = dataclasses.replace(one, learning_rates=(1e-3, 3e-3))
+    result = ft.finetune_run(tiny_run_copy, spec, two, say=lambda _: None, progress=False)
+    assert [t for t in trained if t[2] is None] == [(3e-3, 0, None), (3e-3, 1, None)]
+    names_its_model(result)
+    # another metric re-selects from the recorded jobs: nothing trains but (at most) the
+    # selected job, re-run to its kept epoch for model/
+    trained.clear()
+    other = ft.finetune_run(tiny_run_copy, dataclasses.replace(spec, metric="matthews"), two,
+                            say=lambda _: None, progress=False)
+    assert all(t[2] is not None for t in trained) and len(trained) <= 1
+    names_its_model(other)
+
+
 def test_entity_f1_follows_seqeval():
     # seqeval's documented example: F1 0.50 (one of two entities exactly right).
     gold = [["O", "O", "O", "B-MISC", "I-MISC", "I-MISC", "O"], ["B-PER", "I-PER", "O"]]
@@ -246,7 +283,45 @@ def test_every_metric_a_kind_names_is_one_it_scores():
     for kind, names in tasks.METRICS.items():
         y = [np.asarray([0, 1])] * 2 if kind == "tokens" else [0.0, 1.0, 0.0]
         assert set(heads.metrics(kind, y, y, labels)) == set(names), kind
-        assert tasks.default_metric(kind) == names[0]
+        assert tasks.default_metric(kind, labels) == names[0]
+    # F1 of the positive class (GLUE's MRPC/QQP), only where there are two classes
+    f1 = heads.metrics("pair", [1, 1, 0, 0, 1], [1, 0, 0, 1, 1], ["0", "1"])["f1"]
+    assert f1 == pytest.approx(2 / 3)
+    assert "f1" not in heads.metrics("classification", [0, 1, 2], [0, 1, 2], ["a", "b", "c"])
+
+
+@pytest.mark.fast
+def test_a_token_task_without_bio_tags_is_scored_by_accuracy():
+    # part of speech: entity F1 reads no chunk in these tags and would pick rates on a 0
+    pos = ["ADJ", "DET", "NOUN", "VERB"]
+    assert heads.entity_f1([pos], [pos])["entity_f1"] == 0.0
+    assert tasks.default_metric("tokens", pos) == "accuracy"
+    assert tasks.default_metric("tokens", ["B-PER", "I-PER", "O"]) == "entity_f1"
+
+
+@pytest.mark.fast
+def test_the_learning_rate_grid_follows_the_encoders_width():
+    base = model_config_lib.preset("tiny", hidden=768)
+    assert jobs_lib.default_learning_rates(base) == (2e-5, 5e-5, 1e-4)  # BERT/ModernBERT's
+    assert jobs_lib.default_learning_rates(model_config_lib.preset("tiny")) == \
+        jobs_lib.SMALL_LEARNING_RATES
+
+
+@pytest.mark.fast
+def test_each_seed_keeps_its_best_validation_epoch_and_the_best_seed_is_the_model():
+    def job(lr, seed, val, test):
+        return {"learning_rate": lr, "seed": seed, "seconds": 1.0, "per_epoch": [
+            {"validation": {"accuracy": v}, "test": {"accuracy": t}}
+            for v, t in zip(val, test, strict=True)]}
+
+    records = [job(1e-3, 0, [0.5, 0.8, 0.7], [0.4, 0.75, 0.6]),
+               job(1e-3, 1, [0.9, 0.6, 0.6], [0.85, 0.5, 0.5]),
+               job(3e-3, 0, [0.6, 0.6, 0.6], [0.9, 0.9, 0.9]),
+               job(3e-3, 1, [0.7, 0.6, 0.6], [0.9, 0.9, 0.9])]
+    chosen = ft.summarise(records, "accuracy")["selected"]
+    assert chosen["learning_rate"] == 1e-3 and chosen["epochs"] == [2, 1]
+    assert chosen["test"]["accuracy"]["per_seed"] == [0.75, 0.85]  # not the last epoch's
+    assert chosen["best_seed"] == {"seed": 1, "epoch": 1, "validation": {"accuracy": 0.9}}
 
 
 @pytest.mark.fast
@@ -352,10 +427,15 @@ def test_glue_layouts_parse(tmp_path):
         d = tmp_path / folder
         d.mkdir()
         text = "".join(line + "\n" for line in ([header] if header else []) + lines)
-        for file in ("train.tsv", glue.GLUE[name][4]):
+        dev_files = glue.GLUE[name][4]
+        for file in ("train.tsv", *((dev_files,) if isinstance(dev_files, str) else dev_files)):
             (d / file).write_text(text)
-        train, dev, kind, _ = glue.read_glue(tmp_path, name)
-        assert len(train.targets) == len(dev.targets) == 2, name
+        train, tests, kind, metric = glue.read_glue(tmp_path, name)
+        assert len(train.targets) == len(tests["test"].targets) == 2, name
+        # as GLUE scores them: MRPC/QQP by the positive class's F1, MNLI on both dev sets
+        assert metric == {"cola": "matthews", "stsb": "pearson_spearman", "mrpc": "f1",
+                          "qqp": "f1"}.get(name, "accuracy"), name
+        assert set(tests) == ({"test", "test_mismatched"} if name == "mnli" else {"test"})
         assert kind == glue.GLUE[name][0]
         assert all(len(t) == (1 if glue.GLUE[name][2] is None else 2) for t in train.texts)
         assert all(s.strip() for t in train.texts for s in t)
@@ -372,8 +452,8 @@ def test_glue_layouts_parse(tmp_path):
     ("empty text", "field 'text' is empty"),
     ("pair without its second text", "has no field 'text_pair'"),
     # before any job trains (it once trained two jobs, then ended in a KeyError traceback)
-    ("unknown metric", "--metric 'f1' is not scored for a classification task; choose one of "
-                       "accuracy, macro_f1, matthews"),
+    ("unknown metric", "--metric 'bleu' is not scored for a classification task of 2 classes; "
+                       "choose one of accuracy, macro_f1, matthews, f1 (two classes)"),
 ])
 def test_bad_task_input_is_one_line(tiny_run, tmp_path, case, message):
     run = load_run(tiny_run)
@@ -390,7 +470,7 @@ def test_bad_task_input_is_one_line(tiny_run, tmp_path, case, message):
     elif case == "empty text":
         records = [*good, {"text": "  ", "label": "a"}]
     elif case == "unknown metric":
-        records, metric = good, "f1"
+        records, metric = good, "bleu"
     else:
         records, kind = good, "pair"
     train = _write_jsonl(tmp_path / "train.jsonl", records)

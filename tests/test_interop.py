@@ -159,6 +159,8 @@ def test_imported_model_logits_match_transformers(layer_norm, imported, hf_dirs)
     run = load_run(imported[layer_norm])
     assert run.config.model.layer_norm == layer_norm and run.step == 0
     assert run.info["has_mlm_head"] is True
+    # the checkpoint's hidden_dropout_prob (transformers' default 0.1) is what fine-tuning uses
+    assert run.config.model.dropout == 0.1
     assert interop.hf_parity(imported[layer_norm], hf_dirs[layer_norm], TEXTS) < TOL
 
 

@@ -254,6 +254,7 @@ def test_presets_have_the_documented_shapes():
         ({"attention_within_segments": "yes"}, "model.attention_within_segments='yes'"),
         ({"layer_norm_eps": 0.0}, "model.layer_norm_eps=0.0"),
         ({"init_std": float("nan")}, "model.init_std=nan"),
+        ({"dropout": 1.0}, "model.dropout=1.0 is not in [0, 1)"),
     ],
 )
 def test_invalid_config_raises_value_error_naming_the_value(overrides, fragment):
@@ -389,3 +390,19 @@ def test_jitted_init_draws_the_eager_parameters_to_float32_rounding():
     for x, y in zip(jax.tree.leaves(jitted), jax.tree.leaves(init_params(config, 5)),
                     strict=True):
         assert np.array_equal(np.asarray(x), np.asarray(y))  # deterministic
+
+
+def test_fine_tuning_dropout_is_the_configs_and_only_with_a_key(params, batch):
+    b = batch
+    plain = np.asarray(model.apply(params["pre"], CONFIGS["pre"], b["inputs"], b["mask"]))
+    key = jax.random.key(3)
+    # a config of 0 (every clozax preset: pretraining has none) drops nothing, key or not
+    assert np.array_equal(plain, np.asarray(model.apply(
+        params["pre"], CONFIGS["pre"], b["inputs"], b["mask"], dropout_key=key)))
+    bert = _config(dropout=0.1)  # BERT's hidden_dropout_prob
+    assert np.array_equal(plain, np.asarray(model.apply(params["pre"], bert, b["inputs"],
+                                                        b["mask"])))  # evaluation: none
+    dropped = [np.asarray(model.apply(params["pre"], bert, b["inputs"], b["mask"],
+                                      dropout_key=k)) for k in (key, key, jax.random.key(4))]
+    assert np.array_equal(dropped[0], dropped[1]) and not np.array_equal(dropped[0], dropped[2])
+    assert not np.allclose(dropped[0], plain)

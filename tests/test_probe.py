@@ -4,16 +4,19 @@ the trained tiny encoder; group-level split; user task files; one-line errors.""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
 
+from clozax.judge import finetune as ft
 from clozax.judge import probe as probe_lib
 from commands import one_line_error
 
 FILLER = ("alpha beta gamma delta epsilon theta kappa lambda sigma omega river stone cloud "
           "light green house table water paper music").split()
 PLANTED = {"zebra": "striped", "walrus": "tusked"}  # label -> planted word
+ONE_JOB = ft.Protocol(learning_rates=(3e-3,), seeds=1, epochs=1, batch_size=16, control=False)
 
 
 def _corpus(path, groups_per_label=12, docs_per_group=6):
@@ -63,18 +66,91 @@ def test_planted_task_is_solved_by_the_trained_encoder(planted):
     assert json.loads((run / probe_lib.PROBE_FILE).read_text()) == result
 
 
-def test_probe_split_is_by_group_and_deterministic(planted):
+def test_the_dataset_task_trains_on_train_documents_and_tests_on_held_out_ones_only(planted):
+    from clozax.data.dataset import open_dataset
+    from clozax.data.tokenizer import load_tokenizer
+    from clozax.judge import task_load
+    from clozax.train.run_dir import load_run
+
     root, run, records = planted
-    task = probe_lib.Task(ids=[np.zeros(3, np.int32)] * len(records),
-                          text=[r["text"] for r in records], label=[r["label"] for r in records],
-                          group=[r["group"] for r in records], source="test")
-    parts, accounting = probe_lib.select_and_split(task, seed=0, max_per_class=40)
-    groups = {p: {task.group[i] for i in ix} for p, ix in parts.items()}
-    assert not groups["train"] & groups["test"] and not groups["val"] & groups["test"]
-    assert not groups["train"] & groups["val"]
-    assert accounting["capped_away"] == len(records) - 80
-    assert probe_lib.select_and_split(task, seed=0, max_per_class=40)[0] == parts
-    assert probe_lib.select_and_split(task, seed=1, max_per_class=40)[0] != parts
+    dataset = open_dataset(root / "data")
+    ids = {s: {d["id"] for d in dataset.documents(s)} for s in ("train", "heldout")}
+    tok = load_tokenizer(load_run(run).tokenizer_path)
+    raws, selection = task_load.dataset_raws(dataset, tok, seed=0, max_per_class=40)
+    assert {d for (d,) in raws["train"].digests} <= ids["train"]
+    for split in ("validation", "test"):
+        assert raws[split].digests and {d for (d,) in raws[split].digests} <= ids["heldout"]
+    # stratified by label: a held-out label with two documents or more is on both sides
+    held = Counter(raws["validation"].targets + raws["test"].targets)
+    for label in (lab for lab, n in held.items() if n > 1):
+        assert label in raws["validation"].targets and label in raws["test"].targets
+    assert selection["capped_away"] == sum(selection["classes"].values()) - 80
+    assert task_load.dataset_raws(dataset, tok, 0, 40)[0]["test"].where == raws["test"].where
+    assert task_load.dataset_raws(dataset, tok, 1, 40)[0]["test"].where != raws["test"].where
+    # what probe and finetune record: no evaluated example was pretrained on
+    task = task_load.load_task(task_load.TaskSpec(), load_run(run), tok)
+    overlap = task.accounting["pretraining_overlap"]
+    assert (overlap["validation"], overlap["test"]) == (0, 0) and overlap["excluded"]
+
+
+def test_test_rows_that_repeat_pretraining_documents_are_counted_and_excluded(planted,
+                                                                             tmp_path):
+    from clozax.data.dataset import open_dataset
+
+    root, run, records = planted
+    pretrained = {d["id"] for d in open_dataset(root / "data").documents("train")}
+    from clozax.data.corpus import normalise, text_digest
+
+    seen = [r for r in records if text_digest(normalise(r["text"])).hex() in pretrained]
+    rng = np.random.default_rng(1)
+    fresh = []  # texts the encoder never read: the planted word among new filler
+    for k in range(90):
+        label = list(PLANTED)[k % 2]
+        words = [*rng.choice(FILLER, size=15), PLANTED[label], PLANTED[label]]
+        fresh.append({"text": " ".join(words) + f" fresh{k}", "label": label, "group": f"f{k}"})
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in seen[:80] + fresh[:30]))
+    validation = tmp_path / "validation.jsonl"
+    validation.write_text("".join(json.dumps(r) + "\n" for r in fresh[30:60]))
+    test = tmp_path / "test.jsonl"
+    test_rows = seen[80:100] + fresh[60:]  # 20 pretrained documents (with their own spacing)
+    test.write_text("".join(json.dumps({**r, "text": "  " + r["text"].replace(" ", "   ")})
+                            + "\n" for r in test_rows))
+    result = ft.finetune_run(run, ft.TaskSpec(train=train, validation=validation, test=test,
+                                                  name="overlap"),
+                             ONE_JOB, say=lambda _: None, progress=False)
+    overlap = result["task"]["pretraining_overlap"]
+    assert overlap["test"] == 20 and overlap["excluded"]
+    assert result["task"]["examples"]["test"] == 30
+    kept = ft.finetune_run(run, ft.TaskSpec(train=train, validation=validation, test=test,
+                                            name="overlap-kept",
+                                            keep_pretraining_overlap=True),
+                           ONE_JOB, say=lambda _: None, progress=False)
+    assert kept["task"]["examples"]["test"] == 50
+    assert kept["task"]["pretraining_overlap"] == {**overlap, "excluded": False}
+    table = _rendered(ft.summary_table(kept))
+    assert "PRETRAINING OVERLAP KEPT: 0 validation / 20 test" in table
+
+
+@pytest.mark.fast
+def test_an_imported_encoders_overlap_is_unknown():
+    from clozax.judge import finetune_tasks as tasks
+    from clozax.judge import overlap
+
+    raws = {s: tasks.Raw(texts=[("a b",)], targets=["x"]) for s in ("train", "validation",
+                                                                    "test")}
+    kept, record = overlap.account(raws, {"dataset": None}, keep=False)
+    assert kept is raws and record["test"] == "unknown" and "imported" in record["why"]
+    _, missing = overlap.account(raws, {"dataset": "/nowhere/data"}, keep=False)
+    assert missing["test"] == "unknown" and "/nowhere/data" in missing["why"]
+
+
+def _rendered(table) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(table)
+    return console.export_text()
 
 
 def test_a_user_task_file_with_text_label_group_is_probed(planted, tmp_path):
@@ -93,6 +169,6 @@ def test_probe_cli_rejects_one_class_or_missing_fields_in_one_line(planted, tmp_
     one.write_text("".join(json.dumps({"text": r["text"], "label": "x", "group": r["group"]})
                            + "\n" for r in records))
     missing = tmp_path / "missing.jsonl"
-    missing.write_text(json.dumps({"text": "a b c", "label": "x"}) + "\n")
-    for path, message in ((one, "1 class"), (missing, "lacks field(s) group")):
+    missing.write_text(json.dumps({"text": "a b c", "group": "g"}) + "\n")
+    for path, message in ((one, "1 class"), (missing, "has no field 'label'")):
         assert message in one_line_error(capsys, "probe", run, "--task", path)

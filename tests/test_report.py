@@ -27,14 +27,16 @@ def _finetune_result() -> dict:
     from clozax.judge.finetune import summarise
 
     def jobs(base):
-        return [{"learning_rate": lr, "seed": s, "seconds": 1.5,
-                 "validation": {"accuracy": base + 0.01 * s + lr},
-                 "test": {"accuracy": base + 0.02 * s, "macro_f1": base, "matthews": base / 2}}
+        return [{"learning_rate": lr, "seed": s, "seconds": 1.5, "per_epoch": [
+                    {"validation": {"accuracy": base + 0.01 * s + lr},
+                     "test": {"accuracy": base + 0.02 * s, "macro_f1": base,
+                              "matthews": base / 2}}]}
                 for lr in (1e-4, 3e-4) for s in range(3)]
 
     return {"task": {"name": "labels", "kind": "classification", "source": "docstrings",
                      "metric": "accuracy", "examples": {"train": 90, "validation": 20,
-                                                        "test": 30}},
+                                                        "test": 30},
+                     "pretraining_overlap": {"validation": 0, "test": 3, "excluded": True}},
             "protocol": {"seeds": 3, "learning_rates": [1e-4, 3e-4], "epochs": 3,
                          "head": "bert"},
             "encoders": {"trained": summarise(jobs(0.6), "accuracy"),
@@ -174,6 +176,7 @@ def test_report_with_all_inputs_fills_every_table(full_report):
     assert "not run" not in page
     tuned = _section(page, "Fine-tuning")
     assert "0.6200 ± 0.0200" in tuned and "random-init encoder" in tuned and "TF-IDF" in tuned
+    assert "pretraining overlap excluded: 0 validation / 3 test examples" in tuned
     table = _section(page, "Held-out evaluation by corruption kind")
     for kind in ("all selected", "mask", "random", "keep"):
         assert f">{kind}</td>" in table

@@ -15,7 +15,9 @@ from clozax.train import compile_cache
 Opt = typer.Option
 
 
-def _rates(text: str) -> tuple[float, ...]:
+def _rates(text: str | None) -> tuple[float, ...] | None:
+    if text is None:
+        return None
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -48,7 +50,9 @@ def finetune(
                                          "stem, the GLUE task, or 'labels').")] = None,
     metric: Annotated[str | None, Opt(help="Validation metric that picks the learning rate "
                                            "(default by kind).")] = None,
-    lr: Annotated[str, Opt(help="Learning-rate grid, comma-separated.")] = "1e-4,3e-4,1e-3",
+    lr: Annotated[str | None, Opt(help="Learning-rate grid, comma-separated (default by "
+                                       "encoder width: 2e-5,5e-5,1e-4 from 768 up, else "
+                                       "1e-4,3e-4,1e-3).")] = None,
     seeds: Annotated[int, Opt(help="Seeds per learning rate.")] = 3,
     epochs: Annotated[int, Opt(help="Epochs per job.")] = 3,
     batch_size: Annotated[int, Opt(help="Examples per step.")] = 32,
@@ -60,6 +64,9 @@ def finetune(
     max_train: Annotated[int | None, Opt(help="Train on a keyed choice of this many "
                                               "examples.")] = None,
     split_seed: Annotated[int, Opt(help="Seed of the carved splits.")] = 0,
+    keep_pretraining_overlap: Annotated[bool, Opt(
+        help="Score validation/test examples the encoder read in pretraining (default: "
+             "dropped and counted).")] = False,
     step: Annotated[int | None, Opt(help="Fine-tune this checkpoint step (default: the "
                                          "newest) into RUN/finetune/NAME-stepSTEP.")] = None,
     predict: Annotated[Path | None, Opt(help="Instead of fine-tuning: print predictions of "
@@ -76,7 +83,7 @@ def finetune(
                     tokens=tokens_field, tags=tags_field)
     spec = ft.TaskSpec(train=task, validation=validation, test=test, kind=kind, fields=fields,
                        glue=glue_task, glue_dir=glue_dir, name=name, metric=metric,
-                       split_seed=split_seed)
+                       split_seed=split_seed, keep_pretraining_overlap=keep_pretraining_overlap)
     if predict is not None:
         from clozax.judge.finetune_predict import predict_file
 

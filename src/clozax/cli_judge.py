@@ -99,10 +99,13 @@ def probe(
     run: Run,
     task: Annotated[
         Path | None,
-        typer.Option(help="JSONL file with text/label/group fields (default: the dataset's "
-                     "document labels)."),
+        typer.Option(help="JSONL file with text and label (and group) fields (default: the "
+                     "dataset's document labels: train split → train, held-out → test)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the group split and the bootstrap.")] = 0,
+    keep_pretraining_overlap: Annotated[bool, typer.Option(
+        help="Score validation/test examples the encoder read in pretraining (default: "
+             "dropped and counted).")] = False,
     step: Step = None,
     every_checkpoint: Every = False,
 ):
@@ -114,7 +117,8 @@ def probe(
 
     console = Console()
     for s in steps_of(run, step, every_checkpoint):
-        result = probe_lib.probe_run(run, task=task, seed=seed, step=s)
+        result = probe_lib.probe_run(run, task=task, seed=seed, step=s,
+                                     keep_pretraining_overlap=keep_pretraining_overlap)
         console.print(probe_lib.summary_table(result))
     console.print(f"wrote {run / probe_lib.PROBE_FILE}")
 

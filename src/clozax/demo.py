@@ -93,12 +93,16 @@ def _is_current(path: Path, step: int) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
 
-def _reuse_or_run(path: Path, step: int, say, compute, also: Path | None = None) -> dict:
-    """The stage's JSON if it already describes checkpoint ``step`` (and ``also`` exists);
+def _reuse_or_run(path: Path, step: int, say, compute, also: Path | None = None,
+                  judged: bool = False) -> dict:
+    """The stage's JSON if it already describes checkpoint ``step`` (and ``also`` exists; and,
+    ``judged``, its task was checked for pretraining overlap — older results were not);
     otherwise run ``compute`` (which writes it) and return its result."""
     if _is_current(path, step) and (also is None or also.is_file()):
-        say(f"[dim]{path.name} is up to date[/]")
-        return json.loads(path.read_text(encoding="utf-8"))
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if not judged or "pretraining_overlap" in result.get("task", {}):
+            say(f"[dim]{path.name} is up to date[/]")
+            return result
     return compute()
 
 
@@ -154,14 +158,14 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
     stage("probe")
     kwargs = {"max_per_class": QUICK_PROBE_PER_CLASS} if quick else {}
     probe = _reuse_or_run(run_dir / probe_lib.PROBE_FILE, step, say,
-                          lambda: probe_lib.probe_run(run_dir, **kwargs))
+                          lambda: probe_lib.probe_run(run_dir, **kwargs), judged=True)
     done("probe")
 
     stage("finetune")
     finetune = _reuse_or_run(
         run_dir / "finetune" / "labels" / finetune_lib.RESULT_FILE, step, say,
         lambda: finetune_lib.finetune_run(run_dir, protocol=QUICK_FINETUNE if quick
-                                          else DEMO_FINETUNE, say=say))
+                                          else DEMO_FINETUNE, say=say), judged=True)
     done("finetune")
 
     stage("audit")

@@ -183,16 +183,27 @@ def _block(x, p, shared, lengths, config: ModelConfig, rows=None):
     else:
         ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, n, hd)
     attn = layers.dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
-    x = x + attn.astype(jnp.float32)
+    x = x + _dropout(attn.astype(jnp.float32), p, 0, c.dropout)
     if not pre:
         x = layers.layer_norm(x, p["attention_norm"], eps)
 
     # MLP.
     h = layers.layer_norm(x, p["mlp_norm"], eps) if pre else x
-    x = x + layers.mlp(h, p["intermediate"], p["output"], c.mlp, dtype)
+    x = x + _dropout(layers.mlp(h, p["intermediate"], p["output"], c.mlp, dtype), p, 1,
+                     c.dropout)
     if not pre:
         x = layers.layer_norm(x, p["mlp_norm"], eps)
     return x
+
+
+def _dropout(y, p, which: int, rate: float):
+    """Inverted dropout of ``y`` when ``p`` carries this layer's ``dropout_key`` (fine-tuning);
+    otherwise ``y`` itself."""
+    if "dropout_key" not in p or rate == 0:
+        return y
+    keep = jax.random.bernoulli(jax.random.fold_in(p["dropout_key"], which), 1.0 - rate,
+                                y.shape)
+    return jnp.where(keep, y / (1.0 - rate), 0.0).astype(y.dtype)
 
 
 def _remat(block, policy: str):
@@ -253,6 +264,7 @@ def apply(
     positions: jax.Array | None = None,
     unroll: int | bool | None = None,
     query_multiple: int | None = None,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """Final hidden states, float32 for either compute dtype.
 
@@ -279,6 +291,9 @@ def apply(
     ``attention="cudnn"``, whose training kernel refuses an odd query count, e.g. 19 slots at
     rate 0.15 of 128): the padded slots repeat position 0 and their outputs are dropped, so
     values and gradients are those of the unpadded block.
+
+    ``dropout_key`` (fine-tuning) turns on ``config.dropout`` after the embeddings and each
+    block's attention and MLP outputs; without it (pretraining, evaluation) there is none.
     """
     inputs, attention_mask = jnp.asarray(inputs), jnp.asarray(attention_mask)
     segments = None if segments is None else jnp.asarray(segments)
@@ -296,6 +311,11 @@ def apply(
         x = x + emb["position"][None, :seq]
     if c.embedding_norm:
         x = layers.layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
+    stacked = pattern.fused_layers(params["layers"], c)
+    if dropout_key is not None and c.dropout > 0:
+        keys = jax.random.split(dropout_key, c.layers + 1)
+        x = _dropout(x, {"dropout_key": keys[-1]}, 0, c.dropout)
+        stacked = {**stacked, "dropout_key": keys[:-1]}  # one per layer, scanned with it
 
     block = _remat(_block, c.remat)
     unroll = (True if c.unroll is None else c.unroll) if unroll is None else unroll
@@ -303,7 +323,6 @@ def apply(
     def step(x, p):
         return block(x, p, shared, lengths, c), None
 
-    stacked = pattern.fused_layers(params["layers"], c)
     if positions is None:
         x, _ = jax.lax.scan(step, x, stacked, unroll=unroll)
     else:

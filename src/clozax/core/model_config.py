@@ -43,6 +43,9 @@ class ModelConfig:
     # (keep only each block's input) or "dots" (keep matmul outputs without batch dimensions).
     remat: str = "none"
     layer_norm_eps: float = 1e-12
+    # ``apply(dropout_key=...)``: after the embeddings and each attention and MLP output, as
+    # BERT's hidden_dropout_prob; an import keeps the checkpoint's. Pretraining passes no key.
+    dropout: float = 0.0  # hidden dropout while fine-tuning (BERT's 0.1); pretraining has none
     init_std: float = 0.02
     # "normal": every kernel and embedding N(0, init_std). "modernbert": ModernBERT's rule (HF
     # ModernBertPreTrainedModel._init_weights): normals truncated at +-init_cutoff std, std
@@ -113,6 +116,9 @@ class ModelConfig:
                 "bool; use true or false"
             )
         self._check_architecture()
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
+                or not 0 <= self.dropout < 1:
+            raise ValueError(f"model.dropout={self.dropout!r} is not in [0, 1); use e.g. 0.1")
         if self.init not in INITS:
             raise ValueError(f"model.init={self.init!r} is not one of {INITS}")
         for name in ("layer_norm_eps", "init_std", "init_cutoff", "rope_theta_global",

@@ -129,8 +129,9 @@ class Family:
             **shape_config(self, c, with_head),
             "max_position_embeddings": c.max_positions + self.position_offset(pad),
             "hidden_act": "gelu",  # exact erf, as clozax computes it
-            # clozax pretrains without dropout; set these to 0.1 for BERT-style fine-tuning.
-            "hidden_dropout_prob": 0.0,
+            # model.dropout (fine-tuning's hidden dropout; clozax pretrains without any).
+            # clozax has no attention-probability dropout.
+            "hidden_dropout_prob": c.dropout,
             "attention_probs_dropout_prob": 0.0,
             "layer_norm_eps": c.layer_norm_eps,
             "initializer_range": c.init_std,
@@ -228,6 +229,7 @@ class Family:
             "max_positions": int(position.shape[0] - offset), "layer_norm": self.layer_norm,
             "layer_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
             "init_std": float(cfg.get("initializer_range", 0.02)),
+            "dropout": float(cfg.get("hidden_dropout_prob", 0.0)),  # what fine-tuning uses
         }
         return params, fields, has_head
 

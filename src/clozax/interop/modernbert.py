@@ -146,8 +146,9 @@ class ModernBertFamily:
             },
             "global_rope_theta": c.rope_theta_global,  # older transformers' names
             "local_rope_theta": c.rope_theta_local,
-            # clozax pretrains without dropout.
-            "attention_dropout": 0.0, "embedding_dropout": 0.0, "mlp_dropout": 0.0,
+            # model.dropout (fine-tuning's; clozax pretrains without any) after the embeddings
+            # and the MLP; clozax has none on attention.
+            "attention_dropout": 0.0, "embedding_dropout": c.dropout, "mlp_dropout": c.dropout,
             "pad_token_id": int(specials["pad"]),
             "bos_token_id": int(specials["cls"]), "cls_token_id": int(specials["cls"]),
             "eos_token_id": int(specials["sep"]), "sep_token_id": int(specials["sep"]),
@@ -286,6 +287,7 @@ class ModernBertFamily:
             "layer_norm_eps": float(cfg.get("norm_eps", 1e-5)),
             "init_std": float(cfg.get("initializer_range", 0.02)),
             "init_cutoff": float(cfg.get("initializer_cutoff_factor", 2.0)),
+            "dropout": float(cfg.get("mlp_dropout", 0.0)),  # what fine-tuning uses
             # HF has no per-document attention; a packed row keeps its documents apart here.
             "attention_within_segments": True,
         }

@@ -113,3 +113,42 @@ def difference_words(d: dict) -> str:
         return f"{pp(d['mean'])} ({d['note']})"
     return f"{pp(d['mean'])} {ci(d['interval'], pp=True)} ({100 * d['level']:.0f} % interval " \
            f"over seeds{', clear' if d['clear'] else ', includes 0: not clear'})"
+
+
+def overlap_words(record: dict) -> str:
+    """How a printed line says what was done with the overlap."""
+    if record.get("test") == "unknown":
+        return f"pretraining overlap unknown ({record.get('why')})"
+    counts = f"{record['validation']} validation / {record['test']} test examples"
+    if record.get("excluded", True):
+        return f"pretraining overlap excluded: {counts}"
+    return f"PRETRAINING OVERLAP KEPT: {counts} seen in pretraining are scored"
+
+
+def accounting_lines(task: dict) -> list[str]:
+    """What was dropped, capped or excluded from a task (``result.json``'s ``task``), one
+    line each, for every command that prints a task's result."""
+    lines = []
+    if "pretraining_overlap" in task:
+        lines.append(overlap_words(task["pretraining_overlap"]))
+    sel = task.get("selection")
+    if sel:
+        lines.append(
+            f"classes: {len(sel['classes'])} kept (>= {sel['min_examples']} training examples "
+            f"and present in the held-out split); dropped "
+            f"{sel['dropped_fewer_than_min_examples']['classes']} with fewer "
+            f"({sel['dropped_fewer_than_min_examples']['examples']} examples) and "
+            f"{sel['dropped_not_in_heldout']['classes']} absent from the held-out split "
+            f"({sel['dropped_not_in_heldout']['examples']}); {sel['capped_away']} training "
+            f"examples capped away (at most {sel['max_per_class']} per class)")
+    dropped = task.get("unseen_label_dropped") or {}
+    if dropped:
+        lines.append("dropped for a label unseen in training: " + ", ".join(
+            f"{n} {s}" for s, n in dropped.items()))
+    truncated = {s: n for s, n in (task.get("truncated_to_seq_len") or {}).items() if n}
+    if truncated:
+        lines.append(f"cut to {task.get('seq_len')} tokens: " + ", ".join(
+            f"{n} {s}" for s, n in truncated.items()))
+    if task.get("train_capped_to"):
+        lines.append(f"training examples capped to {task['train_capped_to']}")
+    return lines

@@ -1,172 +1,58 @@
 """``clozax finetune``: judge an encoder the way the field does — fine-tune it on a labelled task
 with a learning-rate grid over several seeds, pick the rate on validation, report the test
 metric's mean ± std and its worst seed, beside the same protocol on the random-init encoder
-(the control) and, for classification, TF-IDF + logistic regression.
+(the control) and, for classification, TF-IDF + logistic regression; the differences as mean
+and 95 % interval over seeds (``judge/claims.py``). The task comes from the one task stack
+(``judge/task_load.py``): validation and test examples the encoder read in pretraining are
+dropped unless ``--keep-pretraining-overlap``.
 
 One job = one (encoder, learning rate, seed): AdamW (betas 0.9/0.98, eps 1e-6, weight decay
 0.01 off biases and norms, clipping 1.0) with a linear warm-up over ``warmup_fraction`` of the
 steps and a linear decay to 0, head dropout, length-bucketed batches (widths rounded up to
 ``WIDTH_MULTIPLE``, so a task compiles a few shapes once, shared by every job; the persistent
-compilation cache keeps them), data parallel over the devices of this process. A job is a pure
-function of (encoder, task, protocol, learning rate, seed): seeds repeat bitwise.
+compilation cache keeps them), data parallel over the devices of this process; validation and
+test scored after every epoch, the best-validation epoch kept. A job is a pure function of
+(encoder, task, protocol, learning rate, seed): seeds repeat bitwise.
 
-On disk (``RUN/finetune/TASK/``, one writer at a time): ``settings.json`` (what the jobs
-depend on), ``jobs/*.json`` (each finished job; a rerun skips them, so a killed protocol loses
-at most the job in flight), per learning rate the best-validation seed's parameters of the
-trained encoder until selection, then ``model/`` (the selected fine-tuned model,
-``clozax.train.finetuned``: what ``export`` and ``--predict`` read) and ``result.json``.
+On disk (``RUN/finetune/TASK/``, one writer at a time): ``jobs/KEY/`` per job settings (the
+encoder and its step, the task's digest, epochs, batch, warm-up, decay, dropout, pooling,
+dtype: ``settings.json``), one ``*.json`` per finished job — a rerun with more rates or seeds
+runs only the new jobs, a rerun with another ``--metric`` none; then ``model/`` (the selected
+job's fine-tuned model, re-run deterministically unless it is already there, and checked to
+reproduce its recorded validation score: what ``export`` and ``--predict`` read) and
+``result.json``, which names it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
 from clozax.core import files, locks
 from clozax.core.train_state import init_params
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge import finetune_glue as glue
-from clozax.judge import finetune_heads as heads
 from clozax.judge import finetune_jobs as jobs_lib
 from clozax.judge import finetune_tasks as tasks
-from clozax.judge import probe as probe_lib
-from clozax.judge.claims import seed_difference
+from clozax.judge.baselines import constant_baseline, tfidf_baseline
+from clozax.judge.claims import accounting_lines, difference_words, seed_difference
 from clozax.judge.finetune_jobs import ADAM, Protocol
+from clozax.judge.task_load import TaskSpec, cap_train, load_task
 from clozax.train import finetuned
-from clozax.train.run_dir import load_run, open_run_dataset
+from clozax.train.run_dir import load_run
 
+__all__ = ["Protocol", "TaskSpec", "finetune_run", "load_task", "summary_table", "task_dir"]
 RESULT_FILE = "result.json"
 ENCODERS = ("trained", "random_init")
+REPRODUCE_TOLERANCE = 1e-6  # the re-run selected job's validation score vs its record
 
 
-@dataclass(frozen=True)
-class TaskSpec:
-    """Where a task's examples come from (see ``clozax.judge.finetune_tasks``)."""
-
-    train: Path | None = None  # None: the run's dataset labels (or ``glue``)
-    validation: Path | None = None
-    test: Path | None = None
-    kind: str = "classification"
-    fields: tasks.Fields = field(default_factory=tasks.Fields)
-    glue: str | None = None
-    glue_dir: Path | None = None
-    name: str | None = None
-    metric: str | None = None
-    split_seed: int = 0
-
-    def __post_init__(self):
-        if self.kind not in tasks.KINDS:
-            raise ValueError(f"task kind {self.kind!r} is not one of {', '.join(tasks.KINDS)}")
-        if self.glue is not None and self.glue_dir is None:
-            raise ValueError("--glue-task needs --glue-dir, the local GLUE folder")
-
-    def task_name(self) -> str:
-        if self.name:
-            return self.name
-        if self.glue:
-            return self.glue
-        return Path(self.train).stem if self.train else "labels"
-
-
-# --------------------------------------------------------------------------- the task
-
-
-def load_task(spec: TaskSpec, run, tokenizer) -> tasks.Task:
-    seq_len = run.trained_length
-    args = (tokenizer, run.specials, seq_len)
-    name = spec.task_name()
-    if spec.glue:
-        train, dev, kind, metric = glue.read_glue(spec.glue_dir, spec.glue)
-        raws = {**tasks.carve(train, spec.split_seed,
-                              {"validation": tasks.VALIDATION_FRACTION}), "test": dev}
-        return tasks.build(name, kind, f"GLUE {spec.glue} ({spec.glue_dir}); test = dev",
-                           spec.metric or metric, raws, *args, carved={"validation"})
-    metric = spec.metric or tasks.default_metric(spec.kind)
-    if spec.train is None:  # the run's dataset labels, split as the probe splits them
-        task = probe_lib.dataset_task(open_run_dataset(run), tokenizer)
-        parts, accounting = probe_lib.select_and_split(task, spec.split_seed,
-                                                       probe_lib.MAX_PER_CLASS)
-        raws = {}
-        for split, part in zip(tasks.SPLITS, ("train", "val", "test"), strict=True):
-            raws[split] = tasks.Raw(texts=[(task.text[i],) for i in parts[part]],
-                                    targets=[task.label[i] for i in parts[part]],
-                                    groups=[task.group[i] for i in parts[part]],
-                                    where=[f"{task.source} #{i}" for i in parts[part]])
-        out = tasks.build(name, "classification", task.source, metric, raws, *args,
-                          carved=set(tasks.SPLITS))
-        out.accounting["selection"] = {k: v for k, v in accounting.items() if k != "split"}
-        return out
-    raws = {"train": tasks.read_file(spec.train, spec.kind, spec.fields)}
-    given = {s: getattr(spec, s) for s in ("validation", "test")}
-    for split, path in given.items():
-        if path is not None:
-            raws[split] = tasks.read_file(path, spec.kind, spec.fields)
-    missing = {s: {"validation": tasks.VALIDATION_FRACTION, "test": tasks.TEST_FRACTION}[s]
-               for s, p in given.items() if p is None}
-    if missing:
-        raws.update(tasks.carve(raws["train"], spec.split_seed, missing))
-    return tasks.build(name, spec.kind, str(spec.train), metric, raws, *args,
-                       carved=set(missing))
-
-
-def cap_train(task: tasks.Task, limit: int | None, seed: int) -> tasks.Task:
-    split = task.splits["train"]
-    if limit is None or len(split) <= limit:
-        return task
-    keep = sorted(np.random.default_rng([seed, 7]).permutation(len(split))[:limit].tolist())
-    task.accounting["train_capped_to"] = limit
-    return replace(task, splits={**task.splits, "train": split.select(keep)})
-
-
-# --------------------------------------------------------------------------- baselines
-
-
-def constant_baseline(task: tasks.Task) -> dict:
-    """The best input-blind predictor from training: the majority class (tag), or the mean."""
-    train, test = task.splits["train"], task.splits["test"]
-    if task.kind == "regression":
-        mean = float(np.mean(train.y))
-        return heads.metrics("regression", test.y, [mean] * len(test))
-    if task.kind == "tokens":
-        common = Counter(int(t) for y in train.y for t in y if t >= 0).most_common(1)[0][0]
-        y_true = [np.asarray(y)[np.asarray(y) >= 0] for y in test.y]
-        return heads.metrics("tokens", y_true, [np.full_like(t, common) for t in y_true],
-                             task.labels)
-    common = Counter(train.y).most_common(1)[0][0]
-    return heads.metrics(task.kind, test.y, [common] * len(test))
-
-
-def tfidf_baseline(task: tasks.Task) -> dict:
-    """TF-IDF + logistic regression, C chosen on validation (classification kinds)."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from threadpoolctl import threadpool_limits
-
-    s = task.splits
-    vec = TfidfVectorizer(sublinear_tf=True).fit(s["train"].text)
-    x = {k: vec.transform(v.text) for k, v in s.items()}
-    best = None
-    with threadpool_limits(limits=1):
-        for c in probe_lib.C_GRID:
-            clf = LogisticRegression(C=c, max_iter=2000).fit(x["train"], s["train"].y)
-            val = heads.metrics(task.kind, s["validation"].y, clf.predict(x["validation"]))
-            if best is None or val[task.metric] > best[1][task.metric]:
-                best = (c, val, clf)
-    c, val, clf = best
-    return {"C": c, "validation": val,
-            "test": heads.metrics(task.kind, s["test"].y, clf.predict(x["test"]))}
-
-
-# --------------------------------------------------------------------------- the protocol
+# --------------------------------------------------------------------------- selection
 
 
 def _spread(values: list[float], higher_is_better: bool = True) -> dict:
@@ -177,8 +63,9 @@ def _spread(values: list[float], higher_is_better: bool = True) -> dict:
 
 
 def summarise(records: list[dict], metric: str) -> dict:
-    """Per learning rate: validation and test spreads; the rate chosen on mean validation. A
-    rate where a seed diverged is recorded (each seed's step), never chosen; all: one line."""
+    """Per learning rate: each seed's best-validation epoch, validation and test spreads; the
+    rate chosen on mean validation, and its best-validation seed (the model kept). A rate where
+    a seed diverged is recorded (each seed's step), never chosen; all: one line."""
     by_lr: dict[float, list[dict]] = {}
     for r in records:
         by_lr.setdefault(r["learning_rate"], []).append(r)
@@ -189,10 +76,16 @@ def summarise(records: list[dict], metric: str) -> dict:
             diverged.append({"learning_rate": lr, "seeds": {
                 str(r["seed"]): r["diverged"] for r in rs if "diverged" in r}})
             continue
-        names = sorted(rs[0]["test"])
+        epochs = [jobs_lib.best_epoch(r, metric) for r in rs]
+        kept = [r["per_epoch"][e - 1] for r, e in zip(rs, epochs, strict=True)]
+        val = [k["validation"][metric] for k in kept]
+        best = max(range(len(rs)), key=lambda k: (val[k], -rs[k]["seed"]))
         settings.append({"learning_rate": lr, "seeds": [r["seed"] for r in rs],
-                         "validation": _spread([r["validation"][metric] for r in rs]),
-                         "test": {m: _spread([r["test"][m] for r in rs]) for m in names},
+                         "epochs": epochs, "validation": _spread(val),
+                         "test": {m: _spread([k["test"][m] for k in kept])
+                                  for m in sorted(kept[0]["test"])},
+                         "best_seed": {"seed": rs[best]["seed"], "epoch": epochs[best],
+                                       "validation": kept[best]["validation"]},
                          "seconds_per_job": float(np.mean([r["seconds"] for r in rs]))})
     if not settings:
         rates = ", ".join(f"{d['learning_rate']:g}" for d in diverged)
@@ -202,17 +95,22 @@ def summarise(records: list[dict], metric: str) -> dict:
     return {"settings": settings, "selected": chosen, "diverged": diverged}
 
 
-def _fingerprint(run, task: tasks.Task, protocol: Protocol) -> dict:
+# --------------------------------------------------------------------------- the protocol
+
+
+def job_settings(run, task: tasks.Task, protocol: Protocol) -> dict:
+    """What one job's result depends on besides its rate and seed (``jobs/KEY/``)."""
     digest = hashlib.sha256()
-    for name in tasks.SPLITS:
-        sp = task.splits[name]
+    for name, sp in sorted(task.splits.items()):
+        digest.update(name.encode())
         for ids, y in zip(sp.ids, sp.y, strict=True):
             digest.update(np.asarray(ids, np.int32).tobytes())
             digest.update(json.dumps(np.asarray(y).tolist()).encode())
+    keep = {k: v for k, v in asdict(protocol).items()
+            if k not in ("learning_rates", "seeds", "control")}
     return {"run": str(Path(run.path).absolute()), "step": run.step,
             "task_sha256": digest.hexdigest(), "labels": task.labels, "kind": task.kind,
-            "protocol": {**asdict(protocol),
-                         "learning_rates": [float(x) for x in protocol.learning_rates]}}
+            "encoder_dropout": run.config.model.dropout, "protocol": keep}
 
 
 def _job_name(encoder: str, lr: float, seed: int) -> str:
@@ -231,6 +129,9 @@ def finetune_run(run_dir: Path, spec: TaskSpec | None = None, protocol: Protocol
     started = time.perf_counter()
     run_dir = Path(run_dir)
     run = load_run(run_dir, step)
+    if protocol.learning_rates is None:
+        protocol = replace(protocol,
+                           learning_rates=jobs_lib.default_learning_rates(run.config.model))
     tokenizer = load_tokenizer(run.tokenizer_path)
     task = cap_train(load_task(spec, run, tokenizer), protocol.max_train_examples,
                      spec.split_seed)
@@ -245,16 +146,19 @@ def task_dir(run_dir: Path, task_name: str, step: int | None = None) -> Path:
 
 
 def _protocol(run, task, protocol, out: Path, say, progress: bool, started: float) -> dict:
+    if task.accounting["pretraining_overlap"].get("excluded") is False:
+        tell = say
+
+        def say(line):
+            tell(f"{line} [pretraining overlap kept]")
+
     setup = jobs_lib.make_setup(run.config.model, task, protocol, run.specials["pad"],
-                       task.accounting["seq_len"])
-    settings = _fingerprint(run, task, protocol)
-    jobs_dir = out / "jobs"
-    if (out / "settings.json").is_file() and files.read_json(out / "settings.json") != settings:
-        say(f"{out}: the run, task or protocol changed since its jobs ran; running them again")
-        shutil.rmtree(jobs_dir, ignore_errors=True)
-        (out / RESULT_FILE).unlink(missing_ok=True)
+                                task.accounting["seq_len"])
+    settings = job_settings(run, task, protocol)
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    jobs_dir = out / "jobs" / key
     jobs_dir.mkdir(parents=True, exist_ok=True)
-    files.write_json(out / "settings.json", settings)
+    files.write_json(jobs_dir / "settings.json", settings)
     encoders = {"trained": run.params}
     if protocol.control:
         encoders["random_init"] = init_params(run.config.model, run.config.train.seed)
@@ -264,61 +168,76 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     if len(pending) < len(todo):
         say(f"{out}: {len(todo) - len(pending)} of {len(todo)} jobs already done; running "
             f"the other {len(pending)}")
+    _run_jobs(setup, task, encoders, pending, jobs_dir, say, progress)
+    records = {e: [files.read_json(jobs_dir / f"{_job_name(e, lr, s)}.json")
+                   for lr in protocol.learning_rates for s in range(protocol.seeds)]
+               for e in encoders}
+    results = {e: summarise(rs, task.metric) for e, rs in records.items()}
+    (out / RESULT_FILE).unlink(missing_ok=True)  # never beside a model/ it does not name
+    model = _selected_model(run, task, protocol, setup, results["trained"]["selected"], key,
+                            out, say)
+    result = _result(run, task, protocol, setup, results, started)
+    result["model"] = model
+    files.write_json(out / RESULT_FILE, result)
+    return result
+
+
+def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
+              progress: bool) -> None:
     bar = _bar(progress, len(pending) * setup.steps)
     try:
         for encoder, lr, seed in pending:
             name = _job_name(encoder, lr, seed)
             if bar is not None:
                 bar[0].update(bar[1], description=name)
-            record, params = jobs_lib.run_job(setup, task, encoders[encoder], lr, seed,
-                                     None if bar is None else
-                                     (lambda n: bar[0].advance(bar[1], n)))
-            if encoder == "trained" and params is not None:
-                _keep_if_best(jobs_dir, lr, record, params, task.metric)
+            record, _ = jobs_lib.run_job(setup, task, encoders[encoder], lr, seed,
+                                         None if bar is None else
+                                         (lambda n: bar[0].advance(bar[1], n)))
             files.write_json(jobs_dir / f"{name}.json", record)  # the job's commit
             if "diverged" in record:
                 say(f"{name}: diverged at step {record['diverged']['step']} (loss "
                     f"{record['diverged']['loss']}); this rate is not selected")
             elif bar is None:
-                say(f"{name}: validation {task.metric} {record['validation'][task.metric]:.4f}"
-                    f", test {record['test'][task.metric]:.4f} ({record['seconds']:.1f} s)")
+                e = jobs_lib.best_epoch(record, task.metric)
+                kept = record["per_epoch"][e - 1]
+                say(f"{name}: validation {task.metric} {kept['validation'][task.metric]:.4f}, "
+                    f"test {kept['test'][task.metric]:.4f} (epoch {e}, "
+                    f"{record['seconds']:.1f} s)")
     finally:
         if bar is not None:
             bar[0].stop()
-    records = {e: [files.read_json(jobs_dir / f"{_job_name(e, lr, s)}.json")
-                   for lr in protocol.learning_rates for s in range(protocol.seeds)]
-               for e in encoders}
-    results = {e: summarise(rs, task.metric) for e, rs in records.items()}
-    chosen = results["trained"]["selected"]["learning_rate"]
-    best = jobs_dir / f"best-lr{chosen:g}.safetensors"
-    if best.is_file():
-        params = finetuned.unflatten(load_file(str(best)))
-        meta_job = json.loads((jobs_dir / f"best-lr{chosen:g}.json").read_text())
-        finetuned.write(out / "model", params, setup.model_config, {
-            "kind": task.kind, "labels": task.labels, "style": setup.style, "pair": task.pair,
-            "pooling": protocol.pooling, "task": task.name, "metric": task.metric,
-            "source_run": str(Path(run.path).absolute()), "source_step": run.step,
-            "seq_len": setup.seq_len, "specials": run.specials,
-            "learning_rate": chosen, "seed": meta_job["seed"],
-            "validation": meta_job["validation"], "dropout": protocol.dropout,
-        }, run.tokenizer_path)
-        for kept in jobs_dir.glob("best-lr*.safetensors"):  # model/ holds the one selected
-            kept.unlink()
-    result = _result(run, task, protocol, setup, results, started)
-    files.write_json(out / RESULT_FILE, result)
-    return result
 
 
-def _keep_if_best(jobs_dir: Path, lr: float, record: dict, params, metric: str) -> None:
-    """Keep this job's parameters if it is the best-validation seed of its rate so far."""
-    meta = jobs_dir / f"best-lr{lr:g}.json"
-    if meta.is_file() and json.loads(meta.read_text())["validation"][metric] >= \
-            record["validation"][metric]:
-        return
-    tmp = jobs_dir / f".best-lr{lr:g}.safetensors.tmp"
-    save_file(finetuned.flatten(jax.device_get(params)), str(tmp))
-    tmp.replace(jobs_dir / f"best-lr{lr:g}.safetensors")
-    files.write_json(meta, {"seed": record["seed"], "validation": record["validation"]})
+def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: Path,
+                    say) -> dict:
+    """``model/``: the selected rate's best-validation seed at its best epoch. Kept when it is
+    already that job; otherwise the job is re-run (it is deterministic) and must reproduce its
+    recorded validation score."""
+    best = selected["best_seed"]
+    job = {"jobs": key, "learning_rate": selected["learning_rate"], "seed": best["seed"],
+           "epoch": best["epoch"], "validation": best["validation"]}
+    meta = out / "model" / finetuned.META_FILE
+    if meta.is_file() and files.read_json(meta).get("job") == job:
+        return job
+    say(f"{out}: writing model/ — learning rate {job['learning_rate']:g}, seed {job['seed']}, "
+        f"epoch {job['epoch']}")
+    record, params = jobs_lib.run_job(setup, task, run.params, job["learning_rate"],
+                                      job["seed"], until_epoch=job["epoch"])
+    got = record["per_epoch"][-1]["validation"][task.metric]
+    want = best["validation"][task.metric]
+    if abs(got - want) > REPRODUCE_TOLERANCE:
+        raise ValueError(f"the selected job (lr {job['learning_rate']:g}, seed {job['seed']}) "
+                         f"scored validation {task.metric} {got:.6f} on re-running, not its "
+                         f"recorded {want:.6f}; run on the devices it ran on, or delete "
+                         f"{out / 'jobs'} to retrain")
+    finetuned.write(out / "model", jax.device_get(params), setup.model_config, {
+        "kind": task.kind, "labels": task.labels, "style": setup.style, "pair": task.pair,
+        "pooling": protocol.pooling, "task": task.name, "metric": task.metric,
+        "source_run": str(Path(run.path).absolute()), "source_step": run.step,
+        "seq_len": setup.seq_len, "specials": run.specials, "learning_rate":
+        job["learning_rate"], "seed": job["seed"], "validation": best["validation"],
+        "dropout": protocol.dropout, "job": job}, run.tokenizer_path)
+    return job
 
 
 def _result(run, task, protocol, setup, results: dict, started: float) -> dict:
@@ -329,13 +248,15 @@ def _result(run, task, protocol, setup, results: dict, started: float) -> dict:
                  "labels": task.labels, "metric": metric, **task.accounting},
         "protocol": {**asdict(protocol), "steps_per_job": setup.steps, "head": setup.style,
                      "optimizer": f"AdamW {ADAM}, clip 1.0, linear warm-up then decay",
+                     "epoch_kept": "best validation",
                      "compute_dtype": setup.model_config.compute_dtype},
         "encoders": results,
         "constant_baseline": {"test": constant_baseline(task)},
     }
     trained = results["trained"]["selected"]["test"][metric]["per_seed"]
     if task.kind in ("classification", "pair"):
-        out["tfidf"] = tfidf_baseline(task)
+        tfidf = tfidf_baseline(task)
+        out["tfidf"] = {k: tfidf[k] for k in ("C", "validation", "test")}
         out["trained_minus_tfidf"] = {"metric": metric, **seed_difference(
             trained, out["tfidf"]["test"][metric])}
     if "random_init" in results:
@@ -366,30 +287,45 @@ def _bar(progress: bool, total: int):
 # --------------------------------------------------------------------------- reading a result
 
 
+# What GLUE reports beside a selection metric: MRPC/QQP accuracy beside F1, STS-B Pearson and
+# Spearman, MNLI's mismatched dev set beside the matched one.
+COMPANIONS = {"f1": ("accuracy",), "pearson_spearman": ("pearson", "spearman"),
+              "accuracy": ("mismatched_accuracy",)}
+
+
 def summary_table(result: dict):
     from rich.table import Table
 
     t, metric = result["task"], result["task"]["metric"]
     ex = t["examples"]
+    kept = (t.get("pretraining_overlap") or {}).get("excluded") is False
     table = Table(title=f"finetune {t['name']} ({t['kind']}): train {ex['train']}, validation "
                         f"{ex['validation']}, test {ex['test']}; test {metric}, mean ± std "
                         f"over {result['protocol']['seeds']} seeds at the rate chosen on "
-                        "validation")
+                        "validation" + ("; PRETRAINING OVERLAP KEPT" if kept else ""))
     for name, justify in (("encoder", "left"), ("lr", "right"), (f"test {metric}", "right"),
-                          ("worst seed", "right"), ("s / job", "right")):
+                          ("worst seed", "right"), ("also", "left"), ("s / job", "right")):
         table.add_column(name, justify=justify)
     for name, r in result["encoders"].items():
         s = r["selected"]
         m = s["test"][metric]
+        also = ", ".join(f"{c} {s['test'][c]['mean']:.4f}" for c in COMPANIONS.get(metric, ())
+                         if c in s["test"])
         table.add_row(name, f"{s['learning_rate']:g}", f"{m['mean']:.4f} ± {m['std']:.4f}",
-                      f"{m['worst']:.4f}", f"{s['seconds_per_job']:.1f}")
+                      f"{m['worst']:.4f}", also, f"{s['seconds_per_job']:.1f}")
         for d in r.get("diverged", []):
             steps = ", ".join(f"seed {k} at step {v['step']}" for k, v in d["seeds"].items())
-            table.add_row(name, f"{d['learning_rate']:g}", "diverged", steps, "")
+            table.add_row(name, f"{d['learning_rate']:g}", "diverged", steps, "", "")
     if "tfidf" in result:
         table.add_row("TF-IDF + logistic regression", f"C={result['tfidf']['C']:g}",
-                      f"{result['tfidf']['test'][metric]:.4f}", "", "")
-    table.add_row("constant", "", f"{result['constant_baseline']['test'][metric]:.4f}", "", "")
+                      f"{result['tfidf']['test'][metric]:.4f}", "", "", "")
+    table.add_row("constant", "", f"{result['constant_baseline']['test'][metric]:.4f}", "", "",
+                  "")
+    for key, label in (("trained_minus_random_init", "trained − random init"),
+                       ("trained_minus_tfidf", "trained − TF-IDF")):
+        if key in result:
+            table.add_row(label, "", difference_words(result[key]), "", "", "")
+    table.caption = "\n".join(accounting_lines(t))
     return table
 
 

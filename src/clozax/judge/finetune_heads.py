@@ -149,7 +149,8 @@ def entity_f1(gold: list[list[str]], pred: list[list[str]]) -> dict:
 
 
 def metrics(kind: str, y_true, y_pred, labels: list[str] | None = None) -> dict:
-    """Every metric of a task kind. Classes: accuracy, macro-F1, Matthews correlation.
+    """Every metric of a task kind. Classes: accuracy, macro-F1, Matthews correlation, and
+    for two classes (``labels``) F1 of the positive one (class 1).
     Regression: Pearson, Spearman and their mean. Tokens: entity F1 (and precision, recall)
     and accuracy over labelled words; ``y_true``/``y_pred`` are lists of per-word class ids."""
     from scipy import stats
@@ -171,6 +172,28 @@ def metrics(kind: str, y_true, y_pred, labels: list[str] | None = None) -> dict:
         flat_p = np.concatenate([np.asarray(s) for s in y_pred]) if y_pred else np.zeros(0)
         return {**entity_f1(gold, pred), "accuracy": float(np.mean(flat_t == flat_p))}
     t, p = np.asarray(y_true), np.asarray(y_pred)
-    return {"accuracy": float(np.mean(t == p)),
-            "macro_f1": float(f1_score(t, p, average="macro", zero_division=0)),
-            "matthews": float(matthews_corrcoef(t, p))}
+    out = {"accuracy": float(np.mean(t == p)),
+           "macro_f1": float(f1_score(t, p, average="macro", zero_division=0)),
+           "matthews": float(matthews_corrcoef(t, p))}
+    if labels is not None and len(labels) == 2:  # GLUE's MRPC/QQP F1: of the positive class
+        out["f1"] = float(f1_score(t, p, pos_label=1, average="binary", zero_division=0))
+    return out
+
+
+# Every metric a task kind scores (``metrics``), its default first; ``f1`` (of
+# the positive class: the second label in sorted order, GLUE's 1) only for two classes.
+METRICS = {
+    "classification": ("accuracy", "macro_f1", "matthews", "f1"),
+    "pair": ("accuracy", "macro_f1", "matthews", "f1"),
+    "regression": ("pearson_spearman", "pearson", "spearman"),
+    "tokens": ("entity_f1", "entity_precision", "entity_recall", "accuracy"),
+}
+
+
+def default_metric(kind: str, labels: list[str] | None = None) -> str:
+    """The kind's first metric; a token task whose tags are not BIO chunks (part of speech)
+    scores ``accuracy``, where entity F1 would read a constant 0."""
+    if kind == "tokens" and labels and not any(
+            t[:2] in ("B-", "I-", "E-", "S-") for t in labels):
+        return "accuracy"
+    return METRICS[kind][0]

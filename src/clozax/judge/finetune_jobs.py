@@ -1,7 +1,8 @@
 """One fine-tuning job and what every job of a task shares: length-bucketed fixed-shape
 batches, the jitted step and forward (compiled once per batch width for all jobs of a task),
 predictions and metrics on a split. A job is a pure function of (encoder, task, protocol,
-learning rate, seed), so seeds repeat bitwise."""
+learning rate, seed), so seeds repeat bitwise. A job scores validation and test after every
+epoch; the epoch kept is the one with the best validation score (``best_epoch``)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,23 @@ from clozax.judge import finetune_tasks as tasks
 WIDTH_MULTIPLE = 32
 BUCKET_POOL = 50  # batches whose examples are sorted by length together (training order)
 ADAM = {"b1": 0.9, "b2": 0.98, "eps": 1e-6}
-DEFAULT_LEARNING_RATES = (1e-4, 3e-4, 1e-3)
+# The learning-rate grid by encoder width (``default_learning_rates``): base-size encoders and
+# up as the field tunes them (BERT's paper 2e-5–5e-5; run_glue.py 5e-5; ModernBERT's GLUE
+# sweeps about 1e-5–8e-5); the narrow CPU presets, measured in docs/tutorials/finetune.md.
+BASE_WIDTH = 768
+BASE_LEARNING_RATES = (2e-5, 5e-5, 1e-4)
+SMALL_LEARNING_RATES = (1e-4, 3e-4, 1e-3)
+
+
+def default_learning_rates(model_config) -> tuple[float, ...]:
+    return BASE_LEARNING_RATES if model_config.hidden >= BASE_WIDTH else SMALL_LEARNING_RATES
 
 
 @dataclass(frozen=True)
 class Protocol:
     """How every job of a task trains, and how many there are."""
 
-    learning_rates: tuple[float, ...] = DEFAULT_LEARNING_RATES
+    learning_rates: tuple[float, ...] | None = None  # None: by encoder width
     seeds: int = 3
     epochs: int = 3
     batch_size: int = 32
@@ -40,7 +50,8 @@ class Protocol:
     max_train_examples: int | None = None  # a keyed choice of this many training examples
 
     def __post_init__(self):
-        if not self.learning_rates or any(not (0 < lr < 1) for lr in self.learning_rates):
+        if self.learning_rates is not None and (not self.learning_rates or any(
+                not (0 < lr < 1) for lr in self.learning_rates)):
             raise ValueError(f"learning rates {self.learning_rates} must be in (0, 1); pass "
                              "e.g. --lr 1e-4,3e-4")
         for name in ("seeds", "epochs", "batch_size"):
@@ -151,9 +162,10 @@ def make_setup(model_config, task: tasks.Task, protocol: Protocol, pad: int,
         optax.scale_by_schedule(shape),
     )
 
-    def logits(params, batch, key):
+    def logits(params, batch, key):  # key None: evaluation, no dropout anywhere
         hidden = model_lib.apply(params["encoder"], c, batch["inputs"], batch["mask"],
-                                 batch["mask"].astype(jnp.int32))  # (batch, width, hidden)
+                                 batch["mask"].astype(jnp.int32),  # (batch, width, hidden)
+                                 dropout_key=None if key is None else jax.random.fold_in(key, 1))
         return heads.apply_head(params["head"], style, c, kind, hidden, batch["mask"],
                                 pooling=protocol.pooling, dropout=protocol.dropout, key=key)
 
@@ -216,6 +228,17 @@ def score(setup: Setup, task: tasks.Task, params, split_name: str) -> dict:
     return heads.metrics(setup.kind, y_true, y_pred, task.labels)
 
 
+def score_tests(setup: Setup, task: tasks.Task, params) -> dict:
+    """The test split's metrics, and each further test split's (MNLI's ``test_mismatched``)
+    under its suffix: ``mismatched_accuracy``."""
+    out = score(setup, task, params, "test")
+    for name in task.splits:
+        if name.startswith("test_"):
+            extra = score(setup, task, params, name)
+            out.update({f"{name[len('test_'):]}_{k}": v for k, v in extra.items()})
+    return out
+
+
 def initial_params(setup: Setup, encoder: dict, seed: int) -> dict:
     key = jax.random.fold_in(jax.random.key(seed), 0)
     head = heads.init_head(setup.style, setup.model_config, setup.kind, setup.outputs, key,
@@ -224,9 +247,18 @@ def initial_params(setup: Setup, encoder: dict, seed: int) -> dict:
     return {"encoder": jax.tree.map(jnp.array, body), "head": head}
 
 
+def best_epoch(record: dict, metric: str) -> int:
+    """The epoch (1-based) whose validation ``metric`` is best (ties: the earlier)."""
+    scores = [e["validation"][metric] for e in record["per_epoch"]]
+    return 1 + int(np.argmax(scores))
+
+
 def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
-            advance=None) -> tuple[dict, dict]:
-    """Fine-tune ``encoder`` once; returns (record, params). ``advance(n)`` hears progress."""
+            advance=None, until_epoch: int | None = None) -> tuple[dict, dict]:
+    """Fine-tune ``encoder`` once, scoring validation and test after every epoch; returns
+    (record, params after the last epoch run). ``until_epoch`` stops after that epoch (the
+    schedule still spans every epoch: the same weights the full job had then). ``advance(n)``
+    hears progress."""
     started = time.perf_counter()
     params = initial_params(setup, encoder, seed)
     # Committed to the devices from the start, as the step's outputs are: an uncommitted first
@@ -238,8 +270,8 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
     split, protocol = task.splits["train"], setup.protocol
     rate = jnp.float32(lr)
-    step, losses = 0, []
-    for epoch in range(protocol.epochs):
+    step, losses, per_epoch = 0, [], []
+    for epoch in range(until_epoch or protocol.epochs):
         total = count = 0.0
         rng = np.random.default_rng([seed, epoch])
         for idx in batches(split, protocol.batch_size, setup.seq_len, rng):
@@ -256,9 +288,9 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
                     "train_loss_per_epoch": [x if np.isfinite(x) else str(x) for x in losses],
                     "diverged": {"epoch": epoch + 1, "step": step, "loss": str(losses[-1])},
                     "seconds": round(time.perf_counter() - started, 2)}, None
+        per_epoch.append({"validation": score(setup, task, params, "validation"),
+                          "test": score_tests(setup, task, params)})
     record = {"learning_rate": lr, "seed": seed, "steps": step,
-              "train_loss_per_epoch": losses,
-              "validation": score(setup, task, params, "validation"),
-              "test": score(setup, task, params, "test"),
+              "train_loss_per_epoch": losses, "per_epoch": per_epoch,
               "seconds": round(time.perf_counter() - started, 2)}
     return record, params

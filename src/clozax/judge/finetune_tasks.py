@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from clozax.judge.finetune_heads import METRICS, default_metric
+
 KINDS = ("classification", "pair", "regression", "tokens")
 IGNORE = -1  # a position no loss or metric reads
 SPLITS = ("train", "validation", "test")
@@ -56,6 +58,14 @@ class Raw:
     targets: list = field(default_factory=list)
     groups: list[str] = field(default_factory=list)
     where: list[str] = field(default_factory=list)
+    # per example, the hex digests of its texts as ``prepare`` keys a document (set where the
+    # example *is* a prepared document; otherwise computed from the text: ``judge/overlap.py``)
+    digests: list[tuple[str, ...]] = field(default_factory=list)
+
+    def pick(self, keep) -> Raw:
+        """The examples ``keep`` (indices), in that order."""
+        return Raw(*([getattr(self, f)[i] for i in keep] if getattr(self, f) else []
+                     for f in ("texts", "words", "targets", "groups", "where", "digests")))
 
 
 @dataclass
@@ -242,25 +252,16 @@ def _bucket(seed: int, key: str) -> float:
 
 def carve(raw: Raw, seed: int, fractions: dict[str, float]) -> dict[str, Raw]:
     """Split ``raw`` by a keyed hash of each example's group (its text when it has none)."""
-    names = ["train", *fractions]
     bounds, total = [], 0.0
     for name in fractions:
         total += fractions[name]
         bounds.append((total, name))
-    out = {name: Raw() for name in names}
+    parts = {name: [] for name in ["train", *fractions]}
     for i in range(len(raw.targets)):
         key = raw.groups[i] or json.dumps(raw.texts[i] if raw.texts else raw.words[i])
         u = _bucket(seed, key)
-        name = next((n for b, n in bounds if u < b), "train")
-        part = out[name]
-        if raw.texts:
-            part.texts.append(raw.texts[i])
-        else:
-            part.words.append(raw.words[i])
-        part.targets.append(raw.targets[i])
-        part.groups.append(raw.groups[i])
-        part.where.append(raw.where[i])
-    return out
+        parts[next((n for b, n in bounds if u < b), "train")].append(i)
+    return {name: raw.pick(ix) for name, ix in parts.items()}
 
 
 # --------------------------------------------------------------------------- encoding
@@ -359,12 +360,15 @@ def build(name: str, kind: str, source: str, metric: str, raws: dict[str, Raw], 
           specials: dict, seq_len: int, carved: set[str]) -> Task:
     """Encode every split of ``raws``; unseen labels in a ``carved`` split are dropped and
     counted, in a split the user gave they are an error."""
-    if metric not in METRICS[kind]:
-        raise ValueError(f"--metric {metric!r} is not scored for a {kind} task; choose one of "
-                         f"{', '.join(METRICS[kind])}")
     labels = _label_names(raws["train"], kind)
+    metric = metric or default_metric(kind, labels)
+    if metric not in METRICS[kind] or (metric == "f1" and len(labels) != 2):
+        raise ValueError(f"--metric {metric!r} is not scored for a {kind} task"
+                         f"{' of ' + str(len(labels)) + ' classes' if labels else ''}; choose "
+                         f"one of {', '.join(m for m in METRICS[kind] if m != 'f1')}"
+                         f"{', f1 (two classes)' if kind in ('classification', 'pair') else ''}")
     splits, dropped = {}, {}
-    for split in SPLITS:
+    for split in [*SPLITS, *sorted(set(raws) - set(SPLITS))]:  # extra tests: test_mismatched
         splits[split], dropped[split] = encode(
             tokenizer, raws[split], kind, labels, specials, seq_len, split,
             drop_unseen=split in carved and split != "train")
@@ -372,23 +376,10 @@ def build(name: str, kind: str, source: str, metric: str, raws: dict[str, Raw], 
             raise ValueError(f"task {name}: the {split} split is empty; give more examples or "
                              f"a --{split} file")
     accounting = {
-        "examples": {s: len(splits[s]) for s in SPLITS},
-        "truncated_to_seq_len": {s: splits[s].truncated for s in SPLITS},
-        "unseen_label_dropped": {s: dropped[s] for s in SPLITS if dropped[s]},
+        "examples": {s: len(splits[s]) for s in splits},
+        "truncated_to_seq_len": {s: splits[s].truncated for s in splits},
+        "unseen_label_dropped": {s: dropped[s] for s in splits if dropped[s]},
         "seq_len": seq_len,
     }
     pair = bool(raws["train"].texts) and len(raws["train"].texts[0]) == 2
     return Task(name, kind, labels, splits, source, metric, accounting, pair)
-
-
-# Every metric a task kind scores (``finetune_heads.metrics``), its default first.
-METRICS = {
-    "classification": ("accuracy", "macro_f1", "matthews"),
-    "pair": ("accuracy", "macro_f1", "matthews"),
-    "regression": ("pearson_spearman", "pearson", "spearman"),
-    "tokens": ("entity_f1", "entity_precision", "entity_recall", "accuracy"),
-}
-
-
-def default_metric(kind: str) -> str:
-    return METRICS[kind][0]

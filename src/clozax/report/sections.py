@@ -10,7 +10,15 @@ import platform
 from pathlib import Path
 from typing import NamedTuple
 
-from clozax.judge.claims import audit_counts, ci, claims, difference_words, pct, pp
+from clozax.judge.claims import (
+    accounting_lines,
+    audit_counts,
+    ci,
+    claims,
+    difference_words,
+    pct,
+    pp,
+)
 from clozax.report.figures import token_label
 
 
@@ -163,8 +171,11 @@ def probe_section(probe: dict) -> dict:
     split = task.get("split", {})
     facts = f"{task.get('source')}; {len(classes)} classes kept ({', '.join(classes)})"
     if split:
-        facts += "; " + ", ".join(f"{name} {part.get('examples')} examples in {part.get('groups')}"
-                                  " groups" for name, part in split.items())
+        facts += "; " + ", ".join(
+            f"{name} {part.get('examples')} examples"
+            + (f" in {part['groups']} groups" if part.get("groups") else "")
+            for name, part in split.items())
+    facts += "".join(f"; {line}" for line in accounting_lines(task))
     return {"table": Table(["features", "test accuracy", "95 % CI", "C", "val accuracy"], rows,
                            frozenset({1, 2, 3, 4})),
             "facts": facts, "features": probe.get("features", ""),
@@ -202,6 +213,7 @@ def finetune_section(result: dict) -> dict:
         facts += f"; trained − random init {difference_words(d)}"
     if result.get("trained_minus_tfidf"):
         facts += f"; trained − TF-IDF {difference_words(result['trained_minus_tfidf'])}"
+    facts += "".join(f"; {line}" for line in accounting_lines(task))
     return {"table": Table(["encoder", "learning rate", f"test {metric} (mean ± std)",
                             "worst seed", "s / job"], rows, frozenset({1, 2, 3, 4})),
             "facts": facts}
