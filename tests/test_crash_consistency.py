@@ -18,6 +18,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -165,7 +166,9 @@ def test_status_of_a_live_run_names_its_step_and_lock_holder_and_then_its_end(wa
     assert 0 < live["step"] < live["steps"] == STEPS and live["checkpoints"]
     assert live["eta_s"] is not None and live["recent_losses"]
     assert after["state"] == "finished" and after["lock"] is None and after["step"] == STEPS
-    assert after["checkpoints"][-1] == {"step": STEPS, "verified": True}
+    # digested, not "verified": status reads no checkpoint's bytes (a damaged step has a
+    # digest too)
+    assert after["checkpoints"][-1] == {"step": STEPS, "digested": True}
     assert after["heldout_sample"]["step"] == STEPS and after["disk"]["run_bytes"] > 0
 
 
@@ -272,6 +275,39 @@ def test_any_kill_or_signal_then_the_same_command_ends_bitwise_equal(
     print(f"stopped at {seen}; resumed to step {STEPS}, bitwise equal to the watched run")
 
 
+def test_a_signal_before_the_first_step_exits_at_once_and_saves_nothing(stdlib_data, tmp_path):
+    # Set-up done, the first batch on its way (held 3 s here; in life the first compile, which
+    # may take minutes): the process goes at once with the signal's code. It once waited for
+    # the compile, trained a step at learning rate 0 and saved it.
+    out = tmp_path / "early"
+    proc = faults.start(_train(stdlib_data, out), {**ASYNC, "CLOZAX_TEST_STEP_SECONDS": "3"})
+    assert faults.kill_when(proc, lambda: (out / "run.json").is_file(), signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert time.monotonic() - sent < 2.5  # not after the held batch and a step
+    assert "SIGTERM before the first step: nothing new to save" in err
+    assert faults.steps_dirs(out) == [] and "Traceback" not in err
+
+
+def test_a_signal_after_the_last_sync_point_finishes_the_save_then_exits_with_its_code(
+        stdlib_data, tmp_path):
+    # The last step's save is being written when SIGTERM comes: the command completes that
+    # save and exits 143 (it once went on as if nothing had come: `clozax demo` then ran its
+    # evaluation and fine-tuning until SIGKILL).
+    out = tmp_path / "late"
+    steps = ["--steps", "6", "--set", "train.save_every=6", "--set", "train.eval_every=6"]
+    proc = faults.start(["train", "--data", str(stdlib_data), "--out", str(out),
+                         *faults.TRAIN, *steps], {**ASYNC, "CLOZAX_TEST_DIGEST_SECONDS": "2"})
+    # step 6 committed, its digest not yet recorded: the command is past its last sync point
+    assert faults.kill_when(proc, lambda: 6 in faults.steps_dirs(out), signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM: the run trained to step 6 and its checkpoint is saved" in err
+    assert (out / ckpt.DIGEST_DIR / "6.json").is_file()  # committed and digested
+    assert "Traceback" not in err
+
+
 def test_ctrl_c_saves_the_step_and_exits_130_then_the_same_command_ends_equal(
         tiny_run, stdlib_data, tmp_path, capsys, monkeypatch):
     """One SIGINT in the middle of a run (in this process: the CLI's own handling)."""
@@ -353,20 +389,116 @@ def test_a_stale_lock_is_taken_over_and_said_so(tmp_path):
         assert locks.current_holder(tmp_path / "run").pid == me.pid == os.getpid()
     assert len(said) == 1 and f"pid {holder.pid}" in said[0] and "no longer running" in said[0]
     assert not locks.lock_path(tmp_path / "run").exists()  # released: the file is gone
-    # A holder on another host (a shared filesystem): alive while its heartbeat is fresh.
+    # A holder on another host (a shared filesystem) whose heartbeat is stale: taken over.
     path = locks.lock_path(tmp_path / "run")
-    record = {"host": "elsewhere", "pid": 1, "process_start": "1", "boot": "b",
-              "since": "2026-12-01T00:00:00", "command": "clozax train"}
-    path.write_text(json.dumps(record))
-    with pytest.raises(locks.Locked, match=r'"clozax train" \(pid 1 on elsewhere'):
-        with locks.hold(tmp_path / "run", "run x"):
-            pass
+    path.write_text(json.dumps(REMOTE))
     old = time.time() - locks.STALE_SECONDS - 1
     os.utime(path, (old, old))
     said.clear()
     with locks.hold(tmp_path / "run", "run x", say=said.append):
         pass
     assert len(said) == 1 and "elsewhere" in said[0]
+
+
+REMOTE = {"host": "elsewhere", "pid": 1, "process_start": "1", "boot": "b",
+          "since": "2026-12-01T00:00:00", "command": "clozax train"}
+
+
+def test_a_requeue_waits_for_a_remote_holders_heartbeat_to_go_stale_then_runs(
+        tmp_path, monkeypatch):
+    # A job OOM-killed on another node leaves a fresh heartbeat: the requeue once failed at
+    # once (exit 2, "being written"), though this process held the kernel's lock.
+    monkeypatch.setattr(locks, "STALE_SECONDS", 1.5)
+    monkeypatch.setattr(locks, "POLL_SECONDS", 0.1)
+    path = locks.lock_path(tmp_path / "run")
+    path.write_text(json.dumps(REMOTE))  # its last beat: now
+    said, started = [], time.monotonic()
+    with locks.hold(tmp_path / "run", "run x", say=said.append) as me:
+        assert locks.read_holder(tmp_path / "run").pid == me.pid
+    assert 1.0 < time.monotonic() - started < 10
+    assert "held by \"clozax train\" (pid 1 on elsewhere" in said[0]
+    assert "last heartbeat 0 s ago; waiting" in said[0] and "took over" in said[1]
+
+
+def test_a_remote_holder_whose_heartbeat_advances_is_refused(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(locks, "STALE_SECONDS", 3.0)
+    monkeypatch.setattr(locks, "POLL_SECONDS", 0.1)
+    path = locks.lock_path(tmp_path / "run")
+    path.write_text(json.dumps(REMOTE))
+    stop = threading.Event()
+
+    def beat():  # the live holder on the other host
+        while not stop.wait(0.3):
+            os.utime(path)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(locks.Locked, match=r'"clozax train" \(pid 1 on elsewhere'):
+            with locks.hold(tmp_path / "run", "run x"):
+                pass
+    finally:
+        stop.set()
+        beating.join()
+    assert json.loads(path.read_text())["host"] == "elsewhere"  # untouched
+
+
+def test_a_staged_directory_is_judged_by_host_pid_and_start_never_by_pid_alone(tmp_path):
+    from clozax.core import files
+
+    out = tmp_path / "model"
+    host, pid = files.process_identity()[0], os.getppid()
+    start = files.process_start(pid)
+    live = tmp_path / f".model.partial-s.{host}.{pid}.{start}"  # a live process's
+    reused = tmp_path / f".model.partial-s.{host}.{pid}.{int(start or 0) + 1}"  # pid reused
+    remote = tmp_path / f".model.partial-s.other-host.{pid}.{start}"  # in flight elsewhere
+    for d in (live, reused, remote):
+        d.mkdir()
+    with files.staged_dir(out) as tmp:
+        (tmp / "x").write_text("x")
+    assert (out / "x").is_file()
+    # host B once deleted host A's in-flight partial because A's pid did not run on B
+    assert remote.is_dir() and live.is_dir() and not reused.exists()
+
+
+NO_FLOCK_WRITER = """
+import errno, fcntl, json, sys, time
+from pathlib import Path
+def no_flock(fd, operation):  # a FUSE or network mount without flock
+    raise OSError(errno.ENOLCK, "No locks available")
+fcntl.flock = no_flock
+from clozax.core import locks
+directory, start, outcome = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
+while time.time() < start:
+    time.sleep(0.0005)
+try:
+    with locks.hold(directory, "run x"):
+        outcome.write_text("held")
+        time.sleep(1.5)
+except locks.Locked:
+    outcome.write_text("refused")
+"""
+
+
+@pytest.mark.parametrize("found", ["no lock file", "a dead holder's record"])
+def test_writers_at_one_instant_on_a_filesystem_without_flock_one_holds(tmp_path, found):
+    # It once let 2 of 2 hold: read the record, then write it, nothing atomic between.
+    directory = tmp_path / "run"
+    if found != "no lock file":
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout.strip()
+        locks.lock_path(directory).write_text(json.dumps(
+            {**REMOTE, "host": socket.gethostname(), "pid": int(dead), "process_start": "1"}))
+    start = time.time() + 3.0  # every writer imported and waiting by then
+    outcomes = [tmp_path / f"outcome-{k}" for k in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", NO_FLOCK_WRITER, str(directory),
+                               str(start), str(o)], cwd=faults.ROOT) for o in outcomes]
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0
+    said = sorted(o.read_text() for o in outcomes)
+    assert said == ["held", "refused", "refused", "refused"], said
 
 
 # --------------------------------------------------------------------------- checkpoints

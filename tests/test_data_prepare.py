@@ -251,6 +251,39 @@ def test_cli_bad_inputs_exit_2_with_one_line_error(tmp_path, capsys):
             assert not left, name  # nothing left behind
 
 
+def test_a_full_disk_while_saving_the_tokenizer_is_one_line(tmp_path, capsys, monkeypatch):
+    # tokenizers raises a bare Exception("No space left on device (os error 28)"), not an
+    # OSError; it escaped as a 30-line traceback.
+    from clozax.data import tokenizer
+    from commands import one_line_error
+
+    class FullDisk:
+        def save(self, path):
+            raise Exception("No space left on device (os error 28)")  # noqa: TRY002
+
+    monkeypatch.setattr(tokenizer, "train_tokenizer", lambda *a, **k: FullDisk())
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(40):  # a group per file: some land in the held-out split
+        (corpus / f"{k}.txt").write_text("".join(f"line {i} of file {k}\n\n" for i in range(5)))
+    line = one_line_error(capsys, "prepare", "--out", tmp_path / "out", "--corpus", corpus,
+                          "--quiet", "--workers", "1")
+    assert line.startswith("error: No space left on device: free space on that disk")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.fast
+def test_a_system_error_is_one_line_and_a_bug_is_not_hidden():
+    from clozax.cli import system_error_line
+
+    assert system_error_line(OSError(28, "No space left on device", "/data/x")) == (
+        "No space left on device (/data/x): free space on that disk or write somewhere "
+        "else; what was finished is kept")
+    assert system_error_line(Exception("Permission denied (os error 13)")).startswith(
+        "Permission denied: fix that")
+    assert system_error_line(KeyError("x")) is None  # a bug keeps its traceback
+
+
 @pytest.mark.slow
 def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path):
     run = _cli("--out", str(tmp_path / "o"), "--corpus", str(tmp_path / "missing"))

@@ -95,3 +95,26 @@ def test_the_demo_measures_its_own_peak_memory_not_the_large_process_that_starte
     del ballast
     assert inherited_kib * 1024 / 1e9 > 1.0  # the inherited figure: the parent's peak
     assert 0.01 < own < 0.8
+
+
+def test_a_signal_stops_the_demo_between_stages_keeping_what_is_finished(stdlib_data, tmp_path,
+                                                                         monkeypatch):
+    import os
+    import signal
+
+    from clozax.train.interrupts import Interrupted
+
+    shutil.copytree(stdlib_data, tmp_path / "demo" / "data")  # prepared with quick settings
+    real = demo_lib.prepare_data
+
+    def prepare_then_sigterm(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's, while the stage finishes
+
+    monkeypatch.setattr(demo_lib, "prepare_data", prepare_then_sigterm)
+    with pytest.raises(Interrupted, match="before the train stage; the finished stages are "
+                                          "kept") as stopped:
+        demo_lib.run_demo(tmp_path / "demo", quick=True)
+    assert stopped.value.exit_code == 143
+    assert (tmp_path / "demo" / "data" / "manifest.json").is_file()
+    assert not (tmp_path / "demo" / "run").exists()

@@ -168,6 +168,33 @@ def test_a_protocol_killed_after_a_job_commit_resumes_to_the_same_result(
         ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
 
 
+def test_a_signal_stops_finetune_between_jobs_keeping_the_finished_ones(
+        tiny_run_copy, task_files, monkeypatch, capsys):
+    import os
+    import signal
+
+    real = jobs_lib.run_job
+
+    def sigterm_during_the_first_job(*args, **kwargs):
+        if not hasattr(sigterm_during_the_first_job, "sent"):
+            sigterm_during_the_first_job.sent = os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jobs_lib, "run_job", sigterm_during_the_first_job)
+    argv = ["finetune", str(tiny_run_copy), "--task", str(task_files["classification"]),
+            "--lr", "3e-3", "--seeds", "2", "--epochs", "1", "--no-control"]
+    ran = clozax(capsys, *argv)
+    assert ran.code == 143, ran.err
+    assert "stopped by SIGTERM: 1 of 2 pending jobs ran and are kept" in " ".join(
+        ran.err.split())
+    jobs = tiny_run_copy / "finetune" / "cls" / "jobs"
+    assert len(list(jobs.glob("*/trained-*.json"))) == 1
+    assert not (tiny_run_copy / "finetune" / "cls" / "result.json").exists()
+    monkeypatch.setattr(jobs_lib, "run_job", real)
+    again = clozax(capsys, *argv)
+    assert again.code == 0 and "1 of 2 jobs already done" in again.out + again.err
+
+
 def _without_seconds(result: dict) -> str:
     def strip(x):
         if isinstance(x, dict):

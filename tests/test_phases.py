@@ -71,6 +71,18 @@ def test_a_bad_phase_table_is_one_line_naming_the_key(tmp_path, text, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_steps_beside_phases_is_refused_in_one_line_before_anything_trains(
+        stdlib_data, tmp_path, capsys):
+    # It was dropped without a word: `--steps 5` trained the phases' 50.
+    from commands import one_line_error
+
+    toml = _toml(tmp_path, "[[phases]]\nsteps = 50\n")
+    line = one_line_error(capsys, "train", "--data", stdlib_data, "--out", tmp_path / "run",
+                          "--config", toml, "--preset", "tiny", "--steps", "5")
+    assert "--steps 5 cannot be combined with [[phases]]" in line
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- the plan
 
 

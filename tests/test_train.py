@@ -483,3 +483,16 @@ def test_a_recorded_budget_revision_is_replayed_on_resume(stdlib_data, tiny_run,
                                                      _flat(load_run(tmp_path / "plain").params))
     assert config_lib.schedule_length(a.config.train, 3) == 20
     assert config_lib.schedule_length(a.config.train, 4) == 8
+
+
+def test_train_on_a_finished_run_says_it_trained_nothing(tiny_run_copy, stdlib_data, capsys):
+    # It once printed "trained N steps" having trained none.
+    from commands import clozax
+    from conftest import TINY_OVERRIDES
+
+    ran = clozax(capsys, "train", "--data", stdlib_data, "--out", tiny_run_copy, "--preset",
+                 "tiny", *sum((["--set", o] for o in TINY_OVERRIDES), []))
+    assert ran.code == 0, ran.err
+    steps = json.loads((tiny_run_copy / "config.json").read_text())["train"]["steps"]
+    assert f"already has its {steps} steps: nothing trained" in " ".join(ran.out.split())
+    assert "trained " not in ran.out.replace("nothing trained", "")

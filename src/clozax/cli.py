@@ -319,6 +319,31 @@ def _main(argv: list[str] | None) -> None:
         if debug:
             raise
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except Exception as e:  # a system error, also from a library that wraps its errno
+        line = None if debug else system_error_line(e)
+        if line is None:
+            raise
+        _fail(line)
+
+
+def system_error_line(error: Exception) -> str | None:
+    """One line for an operating-system error — an ``OSError``, or a library's exception that
+    carries the errno only in its message, as the tokenizers' Rust ``(os error 28)`` does —
+    or None for any other exception (a bug: its traceback is wanted)."""
+    import errno as errno_lib
+    import re
+
+    code = error.errno if isinstance(error, OSError) else None
+    if code is None:
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        code = int(found.group(1)) if found else None
+    if code is None:
+        return None
+    where = getattr(error, "filename", None)
+    fix = ("free space on that disk or write somewhere else" if code == errno_lib.ENOSPC else
+           "fix that and run the same command again")
+    return (f"{os.strerror(code)}{f' ({where})' if where else ''}: {fix}; what was finished "
+            "is kept")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,10 @@ def train(
     run_model = read_config(out)[0].model if existing else None
     if decay_from is None:
         resolved = config_lib.resolve(config, preset, overrides, run_model=run_model)
+        if steps is not None and resolved.phases and recipe is None:
+            raise ValueError(f"--steps {steps} cannot be combined with [[phases]]: a run in "
+                             "phases has the length its phases give; set each phase's steps "
+                             "(or use --recipe, which scales its phases to --steps)")
     if recipe is not None:
         from clozax.train.recipes import apply_recipe
 
@@ -104,9 +108,10 @@ def train(
         resolved = apply_recipe(recipe, resolved)
     result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from,
                              extend_to=extend_to)
-    summary = f"trained {result.steps} steps into {out}"
-    if result.final_loss == result.final_loss:  # not NaN: this invocation trained
-        summary += f"; final train loss {result.final_loss:.4f}"
+    trained = result.final_loss == result.final_loss  # not NaN: this invocation trained
+    summary = (f"trained {result.steps} steps into {out}; final train loss "
+               f"{result.final_loss:.4f}" if trained else
+               f"{out} already has its {result.steps} steps: nothing trained")
     if result.eval:
         rows = f" ({result.eval['rows']:,} rows)" if "rows" in result.eval else ""
         summary += (f"; held-out sample{rows} loss {result.eval['loss']:.4f}, accuracy "

@@ -30,6 +30,7 @@ from clozax.judge.claims import claims, difference_words
 from clozax.report import page as report_lib
 from clozax.train import config as config_lib
 from clozax.train import loop as train_lib
+from clozax.train.interrupts import Interrupts
 
 # The demo's training budget: the small preset (4 layers x 256, batch 32 x 128 tokens) for
 # DEMO_STEPS steps at masking rate DEMO_MASK_RATE, about 8 minutes of training on this 2-core
@@ -115,14 +116,20 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
     steps = steps if steps is not None else (QUICK_STEPS if quick else DEMO_STEPS)
     if steps < 1:
         raise ValueError(f"--steps {steps} must be >= 1")
+    with Interrupts(1) as stop:  # a signal stops the demo between stages (training: its own)
+        return _stages(Path(out), steps, preset, quick, stop)
+
+
+def _stages(out: Path, steps: int, preset: str, quick: bool, stop: Interrupts) -> dict:
     console = Console(highlight=False)
     say = console.print
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data_dir, run_dir = out / "data", out / "run"
     seconds: dict[str, float] = {}
 
     def stage(name: str):
+        stop.raise_if_requested(f"before the {name} stage; the finished stages are kept in "
+                                f"{out}: run the same command to continue")
         seconds[name] = time.perf_counter()
         say(f"[bold]── {name}[/]")
 
@@ -178,6 +185,7 @@ def run_demo(out: Path, *, steps: int | None = None, preset: str = "small",
     report_path = report_lib.write_report(run_dir)
     done("report")
 
+    stop.raise_if_requested(f"after the last stage; everything is kept in {out}")
     summary = _summary(report_path, run_dir, data_dir, step, seconds, evaluation, probe, audit)
     summary["finetune"] = _finetune_headline(finetune)
     summary["peak_rss_gb"] = peak_rss_gb()

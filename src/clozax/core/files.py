@@ -2,10 +2,11 @@
 
 ``write_text`` / ``write_json`` write a temporary sibling and rename it over the target, so a
 reader never sees half a file (used for every file a later step reads). ``staged_dir`` fills
-a hidden temporary sibling directory (``.NAME.partial-PID``) and renames it into place when
-done; on any failure (an exception, Ctrl-C) the temporary directory is removed, and an
+a hidden temporary sibling directory (``.NAME.partial-s.HOST.PID.START``) and renames it into
+place when done; on any failure (an exception, Ctrl-C) the temporary directory is removed, and an
 existing ``out`` is kept until the new one is complete. A SIGKILL leaves only the hidden
-partial, which the next ``staged_dir`` of the same ``out`` clears once its process is gone.
+partial, which the next ``staged_dir`` of the same ``out`` on that host clears once its
+process is gone.
 (``clozax prepare`` keeps a resumable partial of its own: ``data/partial.py``.)
 """
 
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +27,8 @@ def staged_dir(out: Path) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``out``; publish it as ``out`` if the block succeeds."""
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    host, pid, start = process_identity()
+    tmp = out.parent / f".{out.name}.partial-s.{host}.{pid}.{start}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -37,17 +40,18 @@ def staged_dir(out: Path) -> Iterator[Path]:
 
 
 def remove_stale_partials(out: Path) -> None:
-    """Delete ``.NAME.partial-PID`` directories of ``out`` whose writer no longer runs."""
-    for stale in out.parent.glob(f".{out.name}.partial-*"):
-        suffix = stale.name.rsplit("-", 1)[1]
-        if not suffix.isdigit():
-            continue  # not a staged_dir's (prepare's resumable partials are kept)
+    """Delete ``staged_dir`` partials of ``out`` whose writer no longer runs: judged as a lock
+    holder is, by (host, pid, process start) — a partial of another host is never judged from
+    here (its pid means nothing here), and a later process given the same pid is not its
+    writer."""
+    for stale in out.parent.glob(f".{out.name}.partial-s.*"):
         try:
-            os.kill(int(suffix), 0)
-        except ProcessLookupError:
+            host, pid, start = stale.name[len(f".{out.name}.partial-s."):].rsplit(".", 2)
+        except ValueError:
+            continue
+        if host == socket.gethostname() and pid.isdigit() and \
+                not process_runs(int(pid), start):
             shutil.rmtree(stale, ignore_errors=True)
-        except PermissionError:
-            pass  # another user's live process
 
 
 def publish_dir(tmp: Path, out: Path) -> None:
@@ -107,3 +111,29 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def process_identity() -> tuple[str, int, str]:
+    """(host, pid, start in kernel ticks since boot): one process, never a later one given
+    the same pid."""
+    return socket.gethostname(), os.getpid(), process_start(os.getpid())
+
+
+def process_runs(pid: int, start: str) -> bool:
+    """Whether process ``pid`` of this host runs and is the one that started at ``start``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return not start or process_start(pid) in ("", start)
+
+
+def process_start(pid: int) -> str:
+    """The start of process ``pid`` in kernel ticks since boot ("" off Linux or when it does
+    not run): with the pid, it names one process, never a later one given the same pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""

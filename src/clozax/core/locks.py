@@ -1,24 +1,36 @@
-"""One writer per directory: the lock a whole ``clozax train`` (process 0 of a job) or ``clozax
-prepare`` holds on its output.
+"""One writer per directory: the lock a whole ``clozax train`` (process 0 of a job), ``clozax
+prepare`` or ``clozax finetune`` holds on its output.
 
 The lock is a hidden sibling file, ``.NAME.lock`` beside the directory ``NAME`` (so it exists
-before the directory does, and survives ``prepare``'s rename into place), locked with the
-kernel's ``flock`` — the standard library's ``fcntl`` — which the kernel releases when its
-holder dies, however it dies: on one host a lock is never stale. The file holds a JSON record
-of its holder (host, pid, the process's start, the time it took the lock, the command), so a
-second writer is refused in one line naming the holder, and the holder touches the file every
-``HEARTBEAT_SECONDS`` from a background thread.
+before the directory does, and survives ``prepare``'s rename into place). It holds a JSON
+record of its holder (host, pid, the process's start, the time it took the lock, the command),
+so a second writer is refused in one line naming the holder, and the holder touches the file
+every ``HEARTBEAT_SECONDS`` from a background thread.
 
-Shared filesystems: ``flock`` reaches other hosts on NFS (through its lock manager) and on most
-parallel filesystems, but not on every mount. So a lock is taken only when ``flock`` succeeds
-(or is not supported) *and* the record left in the file does not name a live holder: a holder
-on this host is alive when its pid runs with the recorded start time; a holder on another host
-is alive while its heartbeat is younger than ``STALE_SECONDS``. A holder found dead is taken
-over, and said so.
+Two mechanisms, because filesystems differ:
 
-The file is deleted by its holder on release, while still locked; a process that locks a file
-which is no longer at the lock's path (deleted meanwhile) starts again, so two writers can
-never hold two different files of one path.
+- **the soft lock, everywhere**: the file is written whole under a private name and put in
+  place with ``link(2)``, which fails when a lock file is already there — atomic on local
+  filesystems and on NFS, so of two writers that start together exactly one holds. A holder
+  found dead is replaced by an atomic rename, by one taker at a time (``.NAME.lock.takeover``,
+  created exclusively), after re-reading that the file is still the dead holder's. This is the
+  idiom of ``filelock``'s ``SoftFileLock`` and of ``fasteners``; neither judges a holder dead
+  (host, pid and start; a heartbeat on another host), which is the part a requeue needs, so
+  the few lines are here;
+- **the kernel's ``flock``** on the file, where the filesystem has it: the kernel releases it
+  when its holder dies, however it dies, so on one host a lock is never stale, and a locked
+  file is a live holder's by the kernel's word.
+
+Is a holder dead? On this host: its pid no longer runs with the recorded start (or the host
+rebooted). On another host: its heartbeat — the file's modification time, read against the
+*filesystem's* clock (a file created beside it), never this host's — stops advancing for
+``STALE_SECONDS``. A fresh remote holder is waited for, polling, and said so ("held by … on
+HOST, last heartbeat N s ago"): a beat seen meanwhile means it lives (refused), none for
+``STALE_SECONDS`` that it died (taken over, and said so) — a requeue after an OOM kill on
+another node waits, then runs.
+
+The file is deleted by its holder on release; a process holding a descriptor of a file no
+longer at the lock's path starts again, so two writers never hold two files of one path.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,10 +49,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from clozax.core.files import process_runs, process_start
+
 HEARTBEAT_SECONDS = 10.0
 # A record on another host whose heartbeat is older than this is a dead holder's (six missed
 # beats: a loaded machine's thread is late by seconds, not by a minute).
 STALE_SECONDS = 60.0
+POLL_SECONDS = 1.0  # how often a wait for a remote holder looks again
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -68,8 +84,7 @@ class Holder:
             return (now or time.time()) - self.heartbeat < STALE_SECONDS
         if self.boot and self.boot != _boot_id():
             return False
-        return _process_start(self.pid) == self.process_start if self.process_start else \
-            _pid_runs(self.pid)
+        return process_runs(self.pid, self.process_start)
 
 
 def lock_path(directory: Path) -> Path:
@@ -104,26 +119,14 @@ def _record(fd: int) -> Holder | None:
 
 
 def current_holder(directory: Path) -> Holder | None:
-    """The live holder of ``directory``'s lock, or None (free, or left by a dead holder)."""
-    try:
-        fd = os.open(lock_path(directory), os.O_RDONLY)
-    except OSError:
+    """The live holder of ``directory``'s lock, or None (free, or left by a dead holder). For
+    readers, which write nothing: a remote heartbeat is aged on this host's clock here (the
+    writer's decision, in ``hold``, uses the filesystem's)."""
+    look = _look(lock_path(directory))
+    if look is None or look[0] is None:
         return None
-    try:
-        holder = _record(fd)
-        if holder is None:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return holder  # locked, by the kernel's word
-        except OSError:
-            pass  # flock unsupported here: the record decides
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        return holder if holder.alive() else None
-    finally:
-        os.close(fd)
+    holder, kernel_held, _ = look
+    return holder if kernel_held or holder.alive() else None
 
 
 @contextmanager
@@ -131,18 +134,14 @@ def hold(directory: Path, what: str, say: Callable[[str], None] | None = None,
          command: str | None = None) -> Iterator[Holder]:
     """Hold ``directory``'s lock for the block; ``Locked`` (one line naming the holder) when a
     live process holds it. ``what`` names the directory in messages (e.g. "run runs/x");
-    ``say`` hears that a dead holder's lock was taken over."""
+    ``say`` hears a wait for a remote holder and a dead holder's lock taken over."""
     path = lock_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, previous = _acquire(path, what)
     me = Holder(host=socket.gethostname(), pid=os.getpid(),
-                process_start=_process_start(os.getpid()), boot=_boot_id(),
+                process_start=process_start(os.getpid()), boot=_boot_id(),
                 since=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 command=command if command is not None else _command())
-    record = {k: v for k, v in asdict(me).items() if k != "heartbeat"}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
-    os.fsync(fd)
+    fd, previous = _acquire(path, what, me, say or (lambda _: None))
     if previous is not None and say is not None:
         say(f"took over the lock of {what} from {previous.describe()}, which is no longer "
             "running")
@@ -156,47 +155,135 @@ def hold(directory: Path, what: str, say: Callable[[str], None] | None = None,
         stop.set()
         beat.join()
         try:
-            path.unlink()  # still locked: nobody can hold this file meanwhile
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                path.unlink()  # ours: still locked, so nobody holds this file meanwhile
         except FileNotFoundError:
             pass
         os.close(fd)  # releases the kernel's lock
 
 
-def _acquire(path: Path, what: str) -> tuple[int, Holder | None]:
-    """An open, locked descriptor of ``path`` and the dead holder it replaces (if any)."""
-    attempts = 0
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _record(fd)
-            os.close(fd)
-            attempts += 1
-            if (holder is None or not holder.alive()) and attempts < 40:
-                # a new holder between its lock and its record, or a reader's brief look
-                time.sleep(0.05)
+def _acquire(path: Path, what: str, me: Holder, say) -> tuple[int, Holder | None]:
+    """An open descriptor of the lock file now at ``path`` (``me``'s record; locked by the
+    kernel where the filesystem can) and the dead holder it replaced, if any."""
+    mine = path.with_name(f"{path.name}.{me.host}.{me.pid}")
+    fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _flock(fd, fcntl.LOCK_EX)  # nobody else knows this name yet
+        os.pwrite(fd, json.dumps({k: v for k, v in asdict(me).items()
+                                  if k != "heartbeat"}).encode(), 0)
+        os.fsync(fd)
+        previous, waited_for = None, None
+        while True:
+            try:
+                os.link(mine, path)  # atomic: fails while a lock file is there
+                mine.unlink()
+                return fd, previous
+            except FileExistsError:
+                pass
+            look = _look(path)
+            if look is None:
+                continue  # released between our link and our look: try again
+            holder, kernel_held, inode = look
+            now = _fs_now(path.parent)
+            if kernel_held or (holder is not None and holder.host == me.host
+                               and holder.alive(now)):
+                raise Locked(_refusal(what, holder))
+            if holder is None:  # a record cut short by a kill, or a writer's first instant
+                if now - _mtime(path, now) < STALE_SECONDS:
+                    time.sleep(0.05)
+                    continue
+            elif holder.alive(now):  # on another host, its heartbeat fresh
+                if waited_for is not None and holder.heartbeat > waited_for:
+                    raise Locked(_refusal(what, holder))  # it beat meanwhile: it lives
+                if waited_for is None:
+                    say(f"{what}: held by {holder.describe()}, last heartbeat "
+                        f"{now - holder.heartbeat:.0f} s ago; waiting until that is "
+                        f"{STALE_SECONDS:.0f} s (a live holder beats every "
+                        f"{HEARTBEAT_SECONDS:.0f} s)")
+                    waited_for = holder.heartbeat
+                time.sleep(min(POLL_SECONDS, max(0.01, STALE_SECONDS - (now - holder.heartbeat))))
                 continue
-            raise Locked(_refusal(what, holder)) from None
-        except OSError as e:
-            if e.errno not in _UNSUPPORTED:
-                os.close(fd)
-                raise
-            # flock does not reach this filesystem: the record alone decides
+            if _take_over(path, mine, holder, inode):
+                return fd, holder
+            time.sleep(0.05)  # another taker was first: its record now decides
+    except BaseException:
+        os.close(fd)
+        mine.unlink(missing_ok=True)
+        raise
+
+
+def _take_over(path: Path, mine: Path, dead: Holder | None, inode: int) -> bool:
+    """Replace the dead holder's file with ours, one taker at a time; False when another
+    taker holds the take-over, or the file changed meanwhile."""
+    mutex = path.with_name(f"{path.name}.takeover")
+    try:
+        os.close(os.open(mutex, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        now = _fs_now(path.parent)
+        if now - _mtime(mutex, now) > STALE_SECONDS:  # its taker died while taking over
+            mutex.unlink(missing_ok=True)
+        return False
+    try:
+        look = _look(path)
+        if look is None or look[2] != inode or look[0] != dead or look[1]:
+            return False
+        os.replace(mine, path)
+        return True
+    finally:
+        mutex.unlink(missing_ok=True)
+
+
+def _look(path: Path) -> tuple[Holder | None, bool, int] | None:
+    """(the record at ``path``, whether a process holds the kernel's lock on it, its inode),
+    or None when there is no file."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        held = False
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:  # released and deleted between our open and our lock: try again
-            os.close(fd)
-            continue
-        previous = _record(fd)
-        # Alive by the record although we hold the kernel's lock: on another host whose
-        # filesystem does not share flock, or on this one where flock is not supported.
-        if previous is not None and previous.pid != os.getpid() and previous.alive():
-            os.close(fd)
-            raise Locked(_refusal(what, previous))
-        return fd, previous
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            held = True
+        except OSError:
+            pass  # flock does not reach this filesystem: the record decides
+        return _record(fd), held, os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+
+
+def _flock(fd: int, operation: int) -> bool:
+    """Take the kernel's lock where the filesystem has one; False where it does not."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in _UNSUPPORTED:
+            return False
+        raise
+
+
+def _fs_now(directory: Path) -> float:
+    """The filesystem's clock: the modification time of a file created in ``directory`` now
+    (on a shared filesystem, its server's), so heartbeats are aged on one clock."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".clozax-clock-", dir=directory)
+    except OSError:
+        return time.time()
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def _mtime(path: Path, default: float) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return default
 
 
 def _refusal(what: str, holder: Holder | None) -> str:
@@ -216,25 +303,6 @@ def _heartbeat(fd: int, stop: threading.Event) -> None:
 def _command() -> str:
     argv = [Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]]
     return " ".join(argv)[:300]
-
-
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
-def _process_start(pid: int) -> str:
-    """The start of process ``pid`` in kernel ticks since boot ("" off Linux or when it does
-    not run): with the pid, it names one process, never a later one given the same pid."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
 
 
 def _boot_id() -> str:

@@ -44,6 +44,7 @@ from clozax.judge.claims import accounting_lines, difference_words, seed_differe
 from clozax.judge.finetune_jobs import ADAM, Protocol
 from clozax.judge.task_load import TaskSpec, cap_train, load_task
 from clozax.train import finetuned
+from clozax.train.interrupts import Interrupts
 from clozax.train.run_dir import load_run
 
 __all__ = ["Protocol", "TaskSpec", "finetune_run", "load_task", "summary_table", "task_dir"]
@@ -136,8 +137,8 @@ def finetune_run(run_dir: Path, spec: TaskSpec | None = None, protocol: Protocol
     task = cap_train(load_task(spec, run, tokenizer), protocol.max_train_examples,
                      spec.split_seed)
     out = task_dir(run_dir, task.name, step)
-    with locks.hold(out, f"fine-tuning {out}", say=say):
-        return _protocol(run, task, protocol, out, say, progress, started)
+    with locks.hold(out, f"fine-tuning {out}", say=say), Interrupts(1) as stop:
+        return _protocol(run, task, protocol, out, say, progress, started, stop)
 
 
 def task_dir(run_dir: Path, task_name: str, step: int | None = None) -> Path:
@@ -145,7 +146,8 @@ def task_dir(run_dir: Path, task_name: str, step: int | None = None) -> Path:
     return Path(run_dir) / "finetune" / (task_name if step is None else f"{task_name}-step{step}")
 
 
-def _protocol(run, task, protocol, out: Path, say, progress: bool, started: float) -> dict:
+def _protocol(run, task, protocol, out: Path, say, progress: bool, started: float,
+              stop: Interrupts) -> dict:
     if task.accounting["pretraining_overlap"].get("excluded") is False:
         tell = say
 
@@ -168,7 +170,9 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     if len(pending) < len(todo):
         say(f"{out}: {len(todo) - len(pending)} of {len(todo)} jobs already done; running "
             f"the other {len(pending)}")
-    _run_jobs(setup, task, encoders, pending, jobs_dir, say, progress)
+    _run_jobs(setup, task, encoders, pending, jobs_dir, say, progress, stop)
+    stop.raise_if_requested(f"every job ran and is kept in {jobs_dir}; run the same command "
+                            "to select and write the model")
     records = {e: [files.read_json(jobs_dir / f"{_job_name(e, lr, s)}.json")
                    for lr in protocol.learning_rates for s in range(protocol.seeds)]
                for e in encoders}
@@ -183,10 +187,14 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
 
 
 def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
-              progress: bool) -> None:
+              progress: bool, stop: Interrupts) -> None:
+    """The pending jobs, each committed as it ends; a signal stops between two jobs."""
     bar = _bar(progress, len(pending) * setup.steps)
     try:
-        for encoder, lr, seed in pending:
+        for done, (encoder, lr, seed) in enumerate(pending):
+            stop.raise_if_requested(
+                f"{done} of {len(pending)} pending jobs ran and are kept in {jobs_dir}; run "
+                "the same command to run the rest")
             name = _job_name(encoder, lr, seed)
             if bar is not None:
                 bar[0].update(bar[1], description=name)

@@ -4,8 +4,10 @@ Read from the run's files only, writing nothing and taking no lock, so it is saf
 live trainer (and on another host of a shared filesystem): the step and its share of the run,
 the pace and ETA of the last log line (aged by the time since it was written), the recent
 training losses, the latest held-out numbers (the in-training sample, and ``clozax
-evaluate``'s whole set when it ran), each checkpoint (committed; verified when its digest is
-recorded), who holds the run's lock, and the disk the run takes and has left.
+evaluate``'s whole set when it ran), each checkpoint (committed; *digested* when its digest is
+recorded — status reads no checkpoint's bytes, so it never calls one verified: ``evaluate``,
+``fill`` and a resume check the bytes they restore), who holds the run's lock, and the disk the
+run takes and has left.
 """
 
 from __future__ import annotations
@@ -88,12 +90,12 @@ def _tail(path: Path) -> tuple[list[dict], float | None]:
 
 
 def _checkpoints(run_dir: Path) -> list[dict]:
-    """Each committed step, oldest first: verified when its digest is recorded, else
-    unverified (committed, digest pending or killed before it)."""
+    """Each committed step, oldest first: digested when its digest is recorded (its bytes
+    not checked here), else not (committed, digest pending or killed before it)."""
     directory = run_dir / CHECKPOINT_DIR
     steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
         if directory.is_dir() else []
-    return [{"step": s, "verified": (run_dir / DIGEST_DIR / f"{s}.json").is_file()}
+    return [{"step": s, "digested": (run_dir / DIGEST_DIR / f"{s}.json").is_file()}
             for s in steps]
 
 
@@ -130,7 +132,7 @@ def print_status(status: dict, console: Console | None = None) -> None:
         whole and f"whole set (clozax evaluate) at step {whole['step']}: loss {whole['loss']:.4f}, "
         f"accuracy {whole['accuracy']:.4f}"])) or "-")
     table.add_row("checkpoints", ", ".join(
-        f"{c['step']}{'' if c['verified'] else ' (unverified)'}" for c in s["checkpoints"])
+        f"{c['step']}{'' if c['digested'] else ' (no digest yet)'}" for c in s["checkpoints"])
         or "none yet")
     lock = s["lock"]
     table.add_row("lock", "free" if lock is None else

@@ -99,7 +99,8 @@ def train(
     log = TrainLog(run_dir, console=console, enabled=primary, config=config)
     with ExitStack() as held:  # the run's lock and signal handlers, for the whole run
         lock_run(held, run_dir, primary, log.info)
-        interrupts = held.enter_context(Interrupts(jax.process_count(), say=log.info))
+        interrupts = held.enter_context(Interrupts(jax.process_count(), say=log.info,
+                                                   early_exit=True))
         return _train(data_dir, run_dir, config, init_from, extend_to, stop_after, started,
                       primary, log, interrupts)
 
@@ -182,6 +183,7 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
             p.pending.append((step, metrics))
             if step == start + 1:  # the first step of this process: say what compiling cost
                 jax.block_until_ready(metrics)
+                run.interrupts.arm()  # a signal now saves the step it stops at
                 log.info(f"compiled and ran the first step in "
                          f"{time.perf_counter() - run.started:.1f} s since start")
                 pace.begin(step, time.perf_counter(), prefetch.wait_seconds)
@@ -201,6 +203,12 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
             end = _sync_point(run, p, segment, step, end, stop_after, prefetch, pace, evaluator,
                               eval_set, checkpointer, budget)
         _finish(p, checkpointer, budget, log)
+        if run.interrupts.signal_name is not None:  # after the last sync point: saved, go
+            step = int(jax.device_get(p.state.step))
+            raise Interrupted(run.interrupts.signal_name, message=(
+                f"the run trained to step {step} and its checkpoint is saved in "
+                f"{run.run_dir}" + ("" if step >= p.config.train.steps else
+                                    "; run the same command to resume")))
     finally:
         # Best effort: a failing close (a full disk under TensorBoard, say) must never hide
         # the error that ended the loop.
