@@ -114,3 +114,12 @@ def _split_qkv_bwd(_, cotangents):
 
 
 split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
+
+
+def dropout(y, key, which: int, rate: float):
+    """Inverted dropout of ``y`` with ``fold_in(key, which)``; ``y`` itself without a key
+    (pretraining and evaluation) or at rate 0."""
+    if key is None or rate == 0:
+        return y
+    keep = jax.random.bernoulli(jax.random.fold_in(key, which), 1.0 - rate, y.shape)
+    return jnp.where(keep, y / (1.0 - rate), 0.0).astype(y.dtype)

@@ -183,27 +183,17 @@ def _block(x, p, shared, lengths, config: ModelConfig, rows=None):
     else:
         ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, n, hd)
     attn = layers.dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
-    x = x + _dropout(attn.astype(jnp.float32), p, 0, c.dropout)
+    x = x + layers.dropout(attn.astype(jnp.float32), p.get("dropout_key"), 0, c.dropout)
     if not pre:
         x = layers.layer_norm(x, p["attention_norm"], eps)
 
     # MLP.
     h = layers.layer_norm(x, p["mlp_norm"], eps) if pre else x
-    x = x + _dropout(layers.mlp(h, p["intermediate"], p["output"], c.mlp, dtype), p, 1,
-                     c.dropout)
+    x = x + layers.dropout(layers.mlp(h, p["intermediate"], p["output"], c.mlp, dtype),
+                           p.get("dropout_key"), 1, c.dropout)
     if not pre:
         x = layers.layer_norm(x, p["mlp_norm"], eps)
     return x
-
-
-def _dropout(y, p, which: int, rate: float):
-    """Inverted dropout of ``y`` when ``p`` carries this layer's ``dropout_key`` (fine-tuning);
-    otherwise ``y`` itself."""
-    if "dropout_key" not in p or rate == 0:
-        return y
-    keep = jax.random.bernoulli(jax.random.fold_in(p["dropout_key"], which), 1.0 - rate,
-                                y.shape)
-    return jnp.where(keep, y / (1.0 - rate), 0.0).astype(y.dtype)
 
 
 def _remat(block, policy: str):
@@ -293,8 +283,7 @@ def apply(
     values and gradients are those of the unpadded block.
 
     ``dropout_key`` (fine-tuning) turns on ``config.dropout`` after the embeddings and each
-    block's attention and MLP outputs; without it (pretraining, evaluation) there is none.
-    """
+    block's attention and MLP outputs; without it (pretraining, evaluation) there is none."""
     inputs, attention_mask = jnp.asarray(inputs), jnp.asarray(attention_mask)
     segments = None if segments is None else jnp.asarray(segments)
     _check_inputs(config, inputs, attention_mask, segments)
@@ -312,10 +301,10 @@ def apply(
     if c.embedding_norm:
         x = layers.layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
     stacked = pattern.fused_layers(params["layers"], c)
-    if dropout_key is not None and c.dropout > 0:
+    if dropout_key is not None and c.dropout > 0:  # a key per layer, scanned with it
         keys = jax.random.split(dropout_key, c.layers + 1)
-        x = _dropout(x, {"dropout_key": keys[-1]}, 0, c.dropout)
-        stacked = {**stacked, "dropout_key": keys[:-1]}  # one per layer, scanned with it
+        x, stacked = layers.dropout(x, keys[-1], 0, c.dropout), {
+            **stacked, "dropout_key": keys[:-1]}
 
     block = _remat(_block, c.remat)
     unroll = (True if c.unroll is None else c.unroll) if unroll is None else unroll
