@@ -463,6 +463,38 @@ def test_a_staged_directory_is_judged_by_host_pid_and_start_never_by_pid_alone(t
     assert remote.is_dir() and live.is_dir() and not reused.exists()
 
 
+@pytest.mark.fast
+def test_an_atomic_write_syncs_the_file_before_its_rename_and_the_directory_after(
+        tmp_path, monkeypatch):
+    # A host crash (not only a process kill) must find the old file or the new one whole.
+    from clozax.core import files
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("rename", str(b)))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    files.write_json(tmp_path / "result.json", {"x": 1})
+    kinds = [(kind, Path(path).name) for kind, path in events]
+    synced_tmp = next(k for k, (kind, name) in enumerate(kinds) if kind == "fsync"
+                      and name.startswith(".result.json.tmp"))
+    renamed = kinds.index(("rename", "result.json"))
+    assert synced_tmp < renamed < kinds.index(("fsync", tmp_path.name))
+    events.clear()
+    with files.staged_dir(tmp_path / "model") as staged:
+        (staged / "weights").write_bytes(b"w")
+    assert ("fsync", str(tmp_path / "model" / "weights")) not in events  # synced before rename
+    assert any(path.endswith("/weights") for kind, path in events if kind == "fsync")
+    assert events[-1] == ("fsync", str(tmp_path))  # the rename made durable
+
+
 NO_FLOCK_WRITER = """
 import errno, fcntl, json, sys, time
 from pathlib import Path

@@ -224,7 +224,9 @@ def test_a_decay_branch_equals_a_run_trained_with_that_decay_from_scratch(
            if "lr" in json.loads(line)]
     assert lrs[0] == pytest.approx(1e-3) and lrs[-1] < 1e-3  # stable at 3, decayed by 6
     main(branch)  # the same command again: the branch is resumed (here: already complete)
-    assert "already has its 7 steps: nothing trained" in " ".join(capsys.readouterr().out.split())
+    again = " ".join(capsys.readouterr().out.split())
+    assert "already has its 7 steps: nothing trained" in again
+    assert "branched" not in again  # it was printed again on every resume
     # refused, one line each: past the stable stretch, a step without a checkpoint, a run
     # with no stable stretch (linear decay from the warm-up's end)
     for src, step, words in ((source, "6", "in the run's own decay (from step 4)"),

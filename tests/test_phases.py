@@ -64,6 +64,8 @@ tokens = 4096
     ("[train]\nminutes = 2.0\n[[phases]]\nsteps = 3\n", "train.minutes cannot be combined"),
     ("[[phases]]\nname = \"a\"\nsteps = 3\n[[phases]]\nname = \"a\"\nsteps = 3\n",
      "used twice"),
+    # its held-out set was eval_masks_15.npz, the fixed-15 % set's file
+    ("[[phases]]\nname = \"15\"\nsteps = 3\n", "phase name '15' would name its held-out set"),
 ])
 def test_a_bad_phase_table_is_one_line_naming_the_key(tmp_path, text, words):
     with pytest.raises(ValueError) as e:
@@ -251,9 +253,14 @@ def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_ex
     chain = tmp_path / "chain"
     every = cfg.replace(train=dataclasses.replace(cfg.train, save_every=1))  # speed-only
     for stop in (5, 6, 7, None):
+        capsys.readouterr()
         train_lib.train(data32, chain, every, stop_after=stop)
         if stop is not None:
             assert load_run(chain).step == stop
+    # resumed at 7, inside "long": its header and pace are of 8 x 64-token rows (they once
+    # read the --data rows, 8 x 32, for the whole run)
+    said = " ".join("".join(capsys.readouterr()).split())
+    assert "effective batch 512 tokens" in said and "steps 7->10" in said
     assert _params_equal(whole, chain)
     # a checkpoint's model and trained length are its phase's
     first, last = load_run(whole, step=6), load_run(whole)

@@ -78,8 +78,10 @@ def train(
         if None in (decay_from, step, steps) or set_ or minutes or config or preset:
             raise ValueError("a decay branch is --decay-from RUN --step S --steps N --out NEW "
                              "(no --set, --config, --preset or --minutes: it keeps RUN's)")
-        resolved = decay_branch(decay_from, step, steps, out)
-        print(f"branched {out} from {decay_from} step {step}: decaying over {steps} updates")
+        resolved, created = decay_branch(decay_from, step, steps, out)
+        if created:  # a resume of the branch says nothing of it again
+            print(f"branched {out} from {decay_from} step {step}: decaying over {steps} "
+                  "updates")
         steps = None
     overrides = list(set_ or [])
     for name, value in (("steps", steps), ("minutes", minutes), ("save_every", save_every),

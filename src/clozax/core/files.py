@@ -56,11 +56,13 @@ def remove_stale_partials(out: Path) -> None:
 
 def publish_dir(tmp: Path, out: Path) -> None:
     """Rename into place; an old directory is kept until the new one is complete."""
+    _sync_tree(tmp)  # a host crash after the rename finds the files whole
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
     tmp.rename(out)
+    sync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old)
 
@@ -75,16 +77,37 @@ def read_json(path: Path):
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary sibling, then rename)."""
+    """Write ``data`` to ``path`` atomically (temporary sibling, then rename) and durably:
+    the file's bytes are synced before the rename and the directory's entry after it, so a
+    host crash (power loss, a kernel panic) leaves the old file or the new one, never an
+    empty or torn one. A process kill needs only the rename."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_bytes(data)
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(path)
+        sync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def sync_dir(directory: Path) -> None:
+    """Make a rename or a new entry in ``directory`` durable (where the filesystem can)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a filesystem that cannot sync a directory: the rename is still atomic
+    finally:
+        os.close(fd)
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -137,3 +160,18 @@ def process_start(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return ""
+
+
+def _sync_tree(root: Path) -> None:
+    """Sync every file and directory under ``root`` before it is published by a rename."""
+    for directory, _, names in os.walk(root):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        sync_dir(Path(directory))

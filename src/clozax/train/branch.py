@@ -18,7 +18,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from clozax.core import files
+from clozax.core import files, locks
 from clozax.core.files import staged_dir
 from clozax.core.optim import decay_start, piece_decay_start
 from clozax.train import checkpoint as ckpt
@@ -95,8 +95,11 @@ def branch_records(recorded: list[dict], step: int, steps: int) -> list[dict]:
              "batch_sizes": [[step, sizes[-1][1]]]}]
 
 
-def decay_branch(source_dir: Path, step: int, steps: int, out: Path) -> config_lib.RunConfig:
-    """Write NEW (``out``) from RUN's checkpoint ``step``; returns the config to train it with."""
+def decay_branch(source_dir: Path, step: int, steps: int,
+                 out: Path) -> tuple[config_lib.RunConfig, bool]:
+    """Write NEW (``out``) from RUN's checkpoint ``step``, holding NEW's lock while it is
+    written; returns the config to train it with, and whether it was written now (False: the
+    same command again, resuming it)."""
     source_dir, out = Path(source_dir), Path(out)
     if not (source_dir / CONFIG_FILE).is_file():
         raise ValueError(f"--decay-from {source_dir} is not a clozax run")
@@ -109,9 +112,15 @@ def decay_branch(source_dir: Path, step: int, steps: int, out: Path) -> config_l
         if saved.train.steps != step + steps:
             raise ValueError(f"{out} is the branch of {source_dir} step {step} decaying over "
                              f"{saved.train.steps - step} updates, not {steps}; use a new --out")
-        return saved
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"output directory {out} exists; a decay branch needs a new --out")
+        return saved, False
+    with locks.hold(out, f"run {out}"):  # a second writer of NEW is refused, as in training
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"output directory {out} exists; a decay branch needs a new --out")
+        return _write_branch(source_dir, step, steps, out, origin), True
+
+
+def _write_branch(source_dir: Path, step: int, steps: int, out: Path,
+                  origin: dict) -> config_lib.RunConfig:
     checkpointer = ckpt.Checkpointer(source_dir, read_only=True)
     try:
         available = checkpointer.all_steps()

@@ -20,6 +20,7 @@ from clozax.core.masker import make_masker
 from clozax.core.vocab import Vocabulary
 from clozax.train import distributed, heldout
 from clozax.train.config import RunConfig
+from clozax.train.layout import phase_eval_stem
 from clozax.train.mesh import from_host
 from clozax.train.phases import Plan, segment_config
 
@@ -90,7 +91,7 @@ class Evaluator:
             masks, _ = heldout.ensure_eval_masks(
                 self.run_dir, other, make_masker(self.config.masking, self.vocab, other.seq_len),
                 t.eval_seed, t.eval_rows, say=self.say, write=self.primary,
-                stem=f"{heldout.STEM}_{segment.name}")
+                stem=phase_eval_stem(segment.name))
             distributed.same_everywhere(heldout.eval_masks_sha256(masks),
                                         f"phase {segment.name}'s held-out set")
             self.phase_sets[segment.data] = (masks, heldout.sample_indices(

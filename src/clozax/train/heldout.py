@@ -42,13 +42,14 @@ from clozax.core import files, objective
 from clozax.core import model as model_lib
 from clozax.core.masking import KIND_NAMES, Kind
 from clozax.data.loader import padded_batches
+from clozax.train.layout import EVAL_STEM, FIXED_EVAL_STEM
 
 EVAL_MASK_CHUNK = 256
 EVAL_MASKS_FILE = "eval_masks.npz"
 EVAL_MASKS_META = "eval_masks.json"
-STEM = "eval_masks"  # the run's own set; FIXED_STEM: the fixed-rate set beside it
+STEM = EVAL_STEM  # the run's own set; FIXED_STEM: the fixed-rate set beside it
 FIXED_RATE = 0.15  # held-out numbers comparable across training rates (ModernBERT's practice)
-FIXED_STEM = "eval_masks_15"
+FIXED_STEM = FIXED_EVAL_STEM
 
 
 def fixed_rate(masking):

@@ -137,9 +137,10 @@ def _header(run: Run, config: RunConfig, params, start: int):
                                          config.model.compute_dtype, n_devices,
                                          config.train.peak_tflops)
     t = config.train
+    first = run.plan.at(min(start, t.steps - 1))  # the segment this invocation starts in
     run.log.header(
         devices=n_devices, platform=jax.devices()[0].platform, dtype=config.model.compute_dtype,
-        params=model_lib.param_count(params), batch_tokens=t.batch_size * run.dataset.seq_len,
+        params=model_lib.param_count(params), batch_tokens=first.batch_size * first.seq_len,
         steps=t.steps, start=start, microbatches=t.microbatches, fsdp=t.fsdp,
         processes=jax.process_count(), peak=peak_source,
     )
@@ -163,12 +164,13 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
           peak) -> TrainResult:
     """Steps ``start`` on: a step per batch, the device never waiting for the host between
     sync points."""
-    t, seq_len, log = p.config.train, run.dataset.seq_len, run.log
+    t, log = p.config.train, run.log
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     revisions = dict(t.budget_revisions)
     prefetch = Prefetcher(batches.device_batch, start, end, depth=t.prefetch)
-    pace = Pace(t.batch_size * seq_len, flops.model_flops_per_token(p.config.model, seq_len),
-                peak, run.started, end)
+    first = run.plan.at(min(start, end - 1))  # a resume inside a phase: that phase's rows
+    pace = Pace(first.batch_size * first.seq_len, flops.model_flops_per_token(
+        segment_config(p.config, first).model, first.seq_len), peak, run.started, end)
     p.last_save = time.perf_counter()
     try:
         log.start(total=t.steps, completed=start)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from clozax.core.optim import SCHEDULES
 from clozax.train.checks import check_choice, check_int, check_name, check_real
+from clozax.train.layout import FIXED_EVAL_STEM, phase_eval_stem
 
 DECAYS = ("none", *SCHEDULES)
 
@@ -109,6 +110,11 @@ def phase_names(phases: tuple[PhaseConfig, ...]) -> list[str]:
     if repeated:
         raise ValueError(f"phase name(s) {repeated} used twice; give each [[phases]] table its "
                          "own name")
+    for name in names:  # a phase's held-out set is eval_masks_NAME: no run file's name
+        if phase_eval_stem(name) == FIXED_EVAL_STEM:
+            raise ValueError(f"phase name {name!r} would name its held-out set "
+                             f"{FIXED_EVAL_STEM}.npz, the fixed-15 % set's file; rename the "
+                             "phase")
     return names
 
 
