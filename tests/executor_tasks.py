@@ -13,3 +13,8 @@ def busy(seconds: float, log: str, name: str) -> None:
     with Path(log).open("a") as f:
         f.write(json.dumps({"name": name, "pid": os.getpid(), "start": start,
                             "end": time.monotonic()}) + "\n")
+
+
+def mark(tmp: str, name: str) -> None:
+    """A prepare-like task: writes ``name`` into its partial directory ``tmp``."""
+    (Path(tmp) / name).write_text(name)

@@ -536,6 +536,32 @@ def test_writers_at_one_instant_on_a_filesystem_without_flock_one_holds(tmp_path
 # --------------------------------------------------------------------------- checkpoints
 
 
+def test_damaged_optimizer_state_keeps_no_reader_from_intact_parameters_each_hashed_once(
+        tiny_run, tiny_run_copy, monkeypatch):
+    from clozax.core import files
+
+    step = faults.steps_dirs(tiny_run_copy)[-1]
+    step_dir = tiny_run_copy / "checkpoints" / str(step)
+    victim = max((p for p in (step_dir / "opt_state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one bad byte in the Adam moments
+    victim.write_bytes(bytes(data))
+    checkpointer = ckpt.Checkpointer(tiny_run_copy, read_only=True)
+    try:
+        assert checkpointer.damage(step) is not None  # training (which reads it) refuses it
+        assert checkpointer.damage(step, params_only=True) is None
+    finally:
+        checkpointer.close()
+    hashed, real = [], files.file_sha256
+    monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(Path(p)) or real(p))
+    assert load_run(tiny_run_copy).step == step  # evaluate, fill, probe: no fall-back
+    mine = [p for p in hashed if step_dir in p.parents]
+    assert mine and len(mine) == len(set(mine))  # each file once (it was twice)
+    assert not [p for p in mine if "opt_state" in p.parts]  # 2.6 GB for a base model
+    assert np.array_equal(faults.flat_params(tiny_run_copy), faults.flat_params(tiny_run))
+
+
 def test_a_committed_step_without_its_digest_is_restored_and_then_digested(
         tiny_run_copy, stdlib_data):
     """Killed after the commit, before the digest: the step is unverified, never damaged —

@@ -153,3 +153,21 @@ def test_tokenizer_sample_is_exactly_n_documents_chosen_by_a_keyed_hash():
     every = [r["text"] for r in records]
     assert texts[0] == [t for t in every if t in texts[0]]  # corpus order kept
     assert chosen(100, 0) == chosen(None, 0) == every  # a sample of all is all
+
+
+@pytest.mark.fast
+def test_a_killed_prepares_queued_cluster_tasks_stand_down_before_a_rerun(tmp_path):
+    # Orphaned Dask tasks of a killed prepare kept writing while its rerun ran: a task now
+    # runs only while its prepare's token is the one beside the partial directory.
+    from clozax.data import executors
+
+    tmp = tmp_path / ".ds.partial-rkey"
+    tmp.mkdir()
+    executors.token_path(tmp).write_text("the rerun's")
+    assert executors.run_on_cluster("executor_tasks:mark", {"tmp": str(tmp), "name": "old"}, 0,
+                                    "the killed run's") is None
+    assert not (tmp / "old").exists()
+    host = executors.run_on_cluster("executor_tasks:mark", {"tmp": str(tmp), "name": "new"}, 0,
+                                    "the rerun's")
+    assert host is not None and (tmp / "new").read_text() == "new"
+    assert executors.token_path(tmp).parent == tmp.parent  # beside, never in the dataset

@@ -30,10 +30,13 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from clozax.core import files
 
 TASKS = {
     "read": "clozax.data.spool:read_task",
@@ -176,15 +179,34 @@ def dask_available() -> bool:
     return True
 
 
-def run_on_cluster(kind: str, args: dict, rank: int) -> str:
-    """A task on a cluster worker, which must see the prepare's partial directory."""
-    if not Path(args["tmp"]).is_dir():
-        raise ValueError(f"the worker on {socket.gethostname()} cannot see {args['tmp']}: put "
+def token_path(tmp: Path) -> Path:
+    """Beside the partial directory (never in it: its files become the dataset's): the
+    prepare whose tasks may run."""
+    return tmp.parent / f".{tmp.name}.dask-run"
+
+
+def run_on_cluster(kind: str, args: dict, rank: int, token: str | None = None) -> str | None:
+    """A task on a cluster worker, which must see the prepare's partial directory. A task of
+    a prepare that is gone — killed, its tasks still queued on the scheduler — finds another
+    run's token beside the directory (``token_path``) and does nothing (returns None), so it
+    never races the rerun that replaced it."""
+    tmp = Path(args["tmp"])
+    if not tmp.is_dir():
+        raise ValueError(f"the worker on {socket.gethostname()} cannot see {tmp}: put "
                          "--out on a filesystem every host mounts at the same path")
+    if token is not None and _read_token(tmp) != token:
+        return None  # orphaned
     for key, value in ONE_THREAD.items():  # a worker's tasks run one per thread
         os.environ.setdefault(key, value)
     run_task(kind, args, rank)
     return socket.gethostname()
+
+
+def _read_token(tmp: Path) -> str | None:
+    try:
+        return token_path(tmp).read_text()
+    except OSError:
+        return None
 
 
 class Dask:
@@ -221,10 +243,14 @@ class Dask:
             return
         from distributed import KilledWorker, as_completed
 
+        token = uuid.uuid4().hex  # this run's: a killed earlier run's queued tasks stand down
+        tokens = [token_path(Path(tmp)) for tmp in {t.args["tmp"] for t in tasks}]
+        for path in tokens:
+            files.write_text(path, token)
         futures = {}
         for rank, i in enumerate(_by_cost(tasks)):
             future = self.client.submit(run_on_cluster, tasks[i].kind, tasks[i].args, rank,
-                                        pure=False, priority=-rank, retries=0)
+                                        token, pure=False, priority=-rank, retries=0)
             futures[future] = i
         try:
             for future in as_completed(futures):
@@ -232,7 +258,11 @@ class Dask:
                     host = future.result()
                 except KilledWorker:
                     raise _failed("on the cluster died (killed, or out of memory?)") from None
+                if host is None:
+                    raise _failed("stood down: another prepare of this --out took over")
                 self.hosts[host] = self.hosts.get(host, 0) + 1
                 done(futures[future])
         finally:
             self.client.cancel(list(futures))
+            for path in tokens:
+                path.unlink(missing_ok=True)

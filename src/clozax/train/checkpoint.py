@@ -48,6 +48,7 @@ from clozax.train.layout import CHECKPOINT_DIR, DIGEST_DIR
 logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
+OPT_STATE = "opt_state"  # the item a parameters-only restore leaves unread
 UNVERIFIED = "unverified"  # committed, no digest recorded yet
 
 
@@ -152,19 +153,23 @@ class Checkpointer:
             f"could not save the checkpoint at step {step} in {self.directory} ({reason}; "
             f"{free:,.0f} MiB free there); the last good checkpoint ({kept}) is intact: {fix}")
 
-    def damage(self, step: int) -> str | None:
+    def damage(self, step: int, params_only: bool = False) -> str | None:
         """Why step ``step`` is damaged: its files differ from their recorded digest. None when
-        it is verified or unverified (no digest yet: see ``verified``)."""
+        it is intact or unverified (no digest yet: see ``verified``). ``params_only`` (a
+        reader): only the files a parameters-only restore reads are hashed and compared, so
+        damaged optimizer state never keeps intact parameters from being evaluated."""
         record = files.read_json(self.digests / f"{step}.json")
         if record is None:
             return None
         step_dir = self.directory / str(step)
+        skip = (f"{OPT_STATE}/",) if params_only else ()
         try:
-            found = _file_digests(step_dir)
+            found = _file_digests(step_dir, skip)
         except FileNotFoundError:
             found = None
         if found is None or not step_dir.is_dir():
             raise Vanished(step)
+        record = {k: v for k, v in record.items() if not k.startswith(skip)} if skip else record
         changed = sorted(set(found.items()) ^ set(record.items()))
         if changed:
             return f"{len({name for name, _ in changed})} file(s) differ from their digest, " \
@@ -175,12 +180,14 @@ class Checkpointer:
         """Whether a digest of step ``step`` was recorded (its bytes can be checked)."""
         return (self.digests / f"{step}.json").is_file()
 
-    def restore(self, step: int, abstract_state, params_only: bool = False):
+    def restore(self, step: int, abstract_state, params_only: bool = False,
+                checked: bool = False):
         """Restore step ``step`` (committed, not damaged) onto the shardings/dtypes of
         ``abstract_state`` (a ``TrainState`` of ShapeDtypeStructs). Returns ``(state, meta)``;
         with ``params_only`` the optimizer state is not read (``state.opt_state`` is None).
-        An unverified step is digested after it is restored (by a writer)."""
-        damage = self.damage(step)
+        ``checked``: the caller has just compared its digest (each file is hashed once). An
+        unverified step is digested after it is restored (by a writer)."""
+        damage = None if checked else self.damage(step, params_only)
         if damage is not None:
             raise CheckpointError(f"checkpoint at step {step} in {self.directory} is damaged "
                                   f"({damage}); restore an earlier step")
@@ -188,7 +195,7 @@ class Checkpointer:
         items = {"params": ocp.args.StandardRestore(abstract_state.params),
                  "meta": ocp.args.JsonRestore()}
         if not params_only:
-            items["opt_state"] = ocp.args.StandardRestore(abstract_state.opt_state)
+            items[OPT_STATE] = ocp.args.StandardRestore(abstract_state.opt_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax raises bare Exception, ValueError, KeyError, OSError
@@ -225,10 +232,10 @@ class Checkpointer:
     def _restore_newest(self, abstract_state, say, set_aside: bool, params_only: bool):
         steps = self.all_steps()
         for step in reversed(steps):
-            damage = self.damage(step)
+            damage = self.damage(step, params_only)
             if damage is None:
                 try:
-                    state, meta = self.restore(step, abstract_state, params_only)
+                    state, meta = self.restore(step, abstract_state, params_only, checked=True)
                     return state, meta, step
                 except Unrestorable as e:  # bytes orbax itself cannot read (a truncated file)
                     damage = f"orbax could not read it: {e.reason}"
@@ -330,10 +337,14 @@ def _is_disk_full(e: BaseException) -> bool:
     return "no space left" in str(e).lower() or "quota exceeded" in str(e).lower()
 
 
-def _file_digests(step_dir: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file of a committed step."""
-    return {p.relative_to(step_dir).as_posix(): files.file_sha256(p)
-            for p in sorted(step_dir.rglob("*")) if p.is_file()}
+def _file_digests(step_dir: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Relative path -> sha256 of every file of a committed step (but those under ``skip``)."""
+    out = {}
+    for p in sorted(step_dir.rglob("*")):
+        name = p.relative_to(step_dir).as_posix()
+        if p.is_file() and not (skip and name.startswith(skip)):
+            out[name] = files.file_sha256(p)
+    return out
 
 
 def abstract_like(tree, sharding=None):
