@@ -88,9 +88,9 @@ def test_steps_beside_phases_is_refused_in_one_line_before_anything_trains(
 # --------------------------------------------------------------------------- the plan
 
 
-def _fake(seq_len: int, rows: int = 1000, tokenizer: str = "t"):
+def _fake(seq_len: int, rows: int = 1000, tokenizer: str = "t", fingerprint: str = "f"):
     return SimpleNamespace(seq_len=seq_len, tokenizer_sha256=tokenizer,
-                           train=SimpleNamespace(rows=rows))
+                           train=SimpleNamespace(rows=rows), fingerprint=fingerprint)
 
 
 def test_a_batch_ramp_is_growing_stages_rounded_to_a_common_unit():
@@ -120,6 +120,30 @@ def test_the_plan_gives_each_segment_its_rows_and_a_tokens_length_its_steps(tmp_
     other = {**data, tmp_path / "b": _fake(64, tokenizer="other")}
     with pytest.raises(ValueError, match="another tokenizer than"):
         make_plan(cfg, tmp_path / "a", lambda p: other[Path(p)])
+
+
+def test_a_run_in_phases_may_move_its_datasets_but_not_change_them(tmp_path):
+    # Datasets are compared by fingerprint and row length: a moved one (a new path) resumes;
+    # it was refused, as an unphased run's is not.
+    from clozax.train.phases import run_records
+
+    def records(root: Path, fingerprint: str = "f"):
+        data = {root / "a": _fake(32), root / "b": _fake(64, fingerprint=fingerprint)}
+        for path in data:
+            path.mkdir(parents=True, exist_ok=True)
+        cfg = config_lib.RunConfig(phases=(PhaseConfig(steps=4),
+                                           PhaseConfig(data=str(root / "b"), steps=2)))
+        plan, opened = make_plan(cfg, root / "a", lambda p: data[Path(p)])
+        return plan, opened
+
+    plan, opened = records(tmp_path / "here")
+    recorded = run_records(plan, opened, tmp_path / "run", None)
+    moved, moved_data = records(tmp_path / "there")
+    now = run_records(moved, moved_data, tmp_path / "run", recorded)
+    assert [r["data"] for r in now] != [r["data"] for r in recorded]  # where they are now
+    changed, changed_data = records(tmp_path / "there", fingerprint="other bytes")
+    with pytest.raises(ValueError, match="planned on other data or lengths"):
+        run_records(changed, changed_data, tmp_path / "run", recorded)
 
 
 def test_the_row_stream_reads_every_row_once_per_epoch_whatever_the_batch_sizes():

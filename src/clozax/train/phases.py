@@ -272,14 +272,20 @@ def step_fields(plan: Plan, segment: Segment, step: int) -> dict:
 def run_records(plan: Plan, datasets: dict, run_dir: Path, recorded: list | None) -> list[dict]:
     """The plan's phases as ``run.json`` records them (with each dataset's fingerprint); on a
     resume (``recorded``: ``run.json``'s), refused unless they are the recorded ones (the same
-    phases on the same data)."""
+    phases on the same data: fingerprints and row lengths compared, not paths, so a run's
+    datasets may move)."""
     if not plan.phased:
         return []
     records = [{**p, "fingerprint": datasets[Path(p["data"])].fingerprint}
                for p in plan.phases()]
-    if recorded is not None and recorded != records:
-        old = {r["name"]: r for r in recorded}
-        changed = [r["name"] for r in records if old.get(r["name"]) != r] or ["the list"]
+
+    def where_free(rs):  # a dataset is its fingerprint and row length, wherever it lies
+        return [{k: v for k, v in r.items() if k != "data"} for r in rs]
+
+    if recorded is not None and where_free(recorded) != where_free(records):
+        old = {r["name"]: r for r in where_free(recorded)}
+        changed = [r["name"] for r in where_free(records) if old.get(r["name"]) != r] or \
+            ["the list"]
         raise ValueError(f"run {run_dir}'s phases were planned on other data or lengths "
                          f"(phase {changed[0]} differs); resume with the same datasets or "
                          "choose a new --out")

@@ -34,6 +34,7 @@ from clozax.train.phases import Plan, make_plan, run_records, segment_config
 from clozax.train.programs import BatchSource, Programs
 from clozax.train.run_dir import (
     CONFIG_FILE,
+    RUN_FILE,
     TOKENIZER_FILE,
     LoadedRun,
     resolve_run,
@@ -84,6 +85,10 @@ def set_up(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sta
         validate_for_data(segment_config(config, segment), datasets[segment.data], n_devices)
     phase_records = run_records(plan, datasets, run_dir, (info or {}).get("phases")
                                 if existing else None)
+    if existing and primary and phase_records and info.get("phases") != phase_records:
+        files.write_json(run_dir / RUN_FILE, {**info, "phases": phase_records})  # moved data
+        log.info(f"run {run_dir}: its phases' datasets moved; run.json now names them where "
+                 "they are (the same fingerprints)")
     vocab = Vocabulary(dataset.vocab_size, dataset.specials)
     keys = Keys.from_seed(config.train.seed)
     return Run(data_dir, run_dir, plan, datasets, dataset, existing, extending, init_run,
