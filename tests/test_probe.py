@@ -130,6 +130,18 @@ def test_test_rows_that_repeat_pretraining_documents_are_counted_and_excluded(pl
     assert kept["task"]["pretraining_overlap"] == {**overlap, "excluded": False}
     table = _rendered(ft.summary_table(kept))
     assert "PRETRAINING OVERLAP KEPT: 0 validation / 20 test" in table
+    # a test file of pretraining documents only: said in one line, nothing scored
+    from clozax.data.tokenizer import load_tokenizer
+    from clozax.train.run_dir import load_run
+
+    only_seen = tmp_path / "seen.jsonl"
+    only_seen.write_text("".join(json.dumps(r) + "\n" for r in seen[80:100]))
+    loaded = load_run(run)
+    with pytest.raises(ValueError, match="all 20 test examples occur in the encoder's "
+                                         "pretraining data; give others, or pass "
+                                         "--keep-pretraining-overlap"):
+        ft.load_task(ft.TaskSpec(train=train, validation=validation, test=only_seen), loaded,
+                     load_tokenizer(loaded.tokenizer_path))
 
 
 @pytest.mark.fast

@@ -95,4 +95,8 @@ def account(raws: dict[str, Raw], info: dict, keep: bool) -> tuple[dict[str, Raw
         gone = set(hits[split])
         out[split] = raws[split].pick([i for i in range(len(raws[split].targets))
                                        if i not in gone])
+        if gone and not out[split].targets:
+            raise ValueError(f"all {len(gone)} {split} examples occur in the encoder's "
+                             "pretraining data; give others, or pass --keep-pretraining-overlap "
+                             "to score them anyway")
     return out, record
