@@ -290,6 +290,11 @@ def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_ex
     first, last = load_run(whole, step=6), load_run(whole)
     assert (first.trained_length, first.config.model.rope_theta_global) == (32, 160_000.0)
     assert (last.trained_length, last.config.model.rope_theta_global) == (64, 320_000.0)
+    # the report counts each phase's tokens and the checkpoint's rows (it read --data's)
+    from clozax.report import page as report_lib
+
+    html = report_lib.write_report(whole).read_text(encoding="utf-8")
+    assert f"{lines[-1]['tokens']:,} tokens seen, rows of 64 tokens" in html
     out = interop.export_run(whole, tmp_path / "hf")
     hf = json.loads((out / "config.json").read_text())
     assert hf["global_rope_theta"] == 320_000.0

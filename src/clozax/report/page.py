@@ -30,6 +30,7 @@ from clozax.judge.panel import probability_panel
 from clozax.report import sections
 from clozax.report.figures import report_figures
 from clozax.report.inputs import read_jsonl, training_curves
+from clozax.train.phases import tokens_at
 from clozax.train.run_dir import load_run, read_config
 
 REPORT_FILE = "report.html"
@@ -84,9 +85,11 @@ def write_report(run_dir: Path, step: int | None = None) -> Path:
     page_name, figure_dir = report_name(step)
 
     panel, panel_error, n_params = None, None, None
+    seq_len = info.get("seq_len", 0)
     try:
         run = load_run(run_dir, step)
         step, n_params = run.step, model_lib.param_count(run.params)
+        seq_len = run.trained_length  # the checkpoint's rows (a phase's), not --data's
         panel = probability_panel(run)
     except (ValueError, FileNotFoundError) as err:
         panel_error = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -94,13 +97,15 @@ def write_report(run_dir: Path, step: int | None = None) -> Path:
                           history.recorded(run_dir, "eval"))
 
     m, t = config["model"], config["train"]
-    seq_len = info.get("seq_len", 0)
-    tokens = (step or 0) * t["batch_size"] * seq_len
+    phased = tokens_at(info, step or 0)  # a run in phases: each phase's batches and rows
+    tokens = phased if phased is not None else (step or 0) * t["batch_size"] * seq_len
     subtitle = (f"{m['layers']} layers × {m['hidden']} hidden, {m['heads']} heads"
                 + (f", {n_params / 1e6:.2f} M parameters" if n_params else "")
                 + f"; step {step if step is not None else '—'} of {t['steps']}, "
-                  f"{tokens:,} tokens seen (batch {t['batch_size']} × {seq_len}); "
-                  f"masking {config['masking']['rate']:.0%} of tokens.")
+                  f"{tokens:,} tokens seen"
+                + ("" if phased is not None else f" (batch {t['batch_size']} × {seq_len})")
+                + f", rows of {seq_len} tokens; masking {config['masking']['rate']:.0%} of "
+                  "tokens.")
     curve_figures = []
     if "loss" in figs:
         curve_figures.append(_figure(figs["loss"], "loss curves",
