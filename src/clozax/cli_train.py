@@ -68,54 +68,13 @@ def train(
                          "give --coordinator/--num-processes/--process-id")
     distributed.initialize(coordinator, num_processes, process_id, auto=distributed_ == "auto")
     compile_cache.enable()
-    from clozax.train import config as config_lib
     from clozax.train import loop as train_lib
-    from clozax.train.run_dir import CONFIG_FILE, read_config
+    from clozax.train.command import Options, resolve_command, summary
 
-    if decay_from is not None or step is not None:
-        from clozax.train.branch import decay_branch
-
-        if None in (decay_from, step, steps) or set_ or minutes or config or preset:
-            raise ValueError("a decay branch is --decay-from RUN --step S --steps N --out NEW "
-                             "(no --set, --config, --preset or --minutes: it keeps RUN's)")
-        resolved, created = decay_branch(decay_from, step, steps, out)
-        if created:  # a resume of the branch says nothing of it again
-            print(f"branched {out} from {decay_from} step {step}: decaying over {steps} "
-                  "updates")
-        steps = None
-    overrides = list(set_ or [])
-    for name, value in (("steps", steps), ("minutes", minutes), ("save_every", save_every),
-                        ("eval_every", eval_every)):
-        if value is not None:
-            overrides.append(f"train.{name}={value}")
-    existing = (out / CONFIG_FILE).is_file()
-    if resume and not existing:
-        raise ValueError(f"--resume given but {out} is not a clozax run; drop --resume to start")
-    if extend_to is not None and minutes is not None:
-        raise ValueError("--extend-to and --minutes cannot be combined; give one of them")
-    # A run's model section comes from its saved config on every re-run.
-    run_model = read_config(out)[0].model if existing else None
-    if decay_from is None:
-        resolved = config_lib.resolve(config, preset, overrides, run_model=run_model)
-        if steps is not None and resolved.phases and recipe is None:
-            raise ValueError(f"--steps {steps} cannot be combined with [[phases]]: a run in "
-                             "phases has the length its phases give; set each phase's steps "
-                             "(or use --recipe, which scales its phases to --steps)")
-    if recipe is not None:
-        from clozax.train.recipes import apply_recipe
-
-        if decay_from is not None:
-            raise ValueError("--recipe and --decay-from cannot be combined: a branch keeps "
-                             "RUN's recipe")
-        resolved = apply_recipe(recipe, resolved)
+    resolved = resolve_command(out, Options(
+        steps=steps, minutes=minutes, preset=preset, config=config, set_=tuple(set_ or ()),
+        save_every=save_every, eval_every=eval_every, resume=resume, extend_to=extend_to,
+        decay_from=decay_from, step=step, recipe=recipe), say=print)
     result = train_lib.train(data, out, resolved, resume=resume, init_from=init_from,
                              extend_to=extend_to)
-    trained = result.final_loss == result.final_loss  # not NaN: this invocation trained
-    summary = (f"trained {result.steps} steps into {out}; final train loss "
-               f"{result.final_loss:.4f}" if trained else
-               f"{out} already has its {result.steps} steps: nothing trained")
-    if result.eval:
-        rows = f" ({result.eval['rows']:,} rows)" if "rows" in result.eval else ""
-        summary += (f"; held-out sample{rows} loss {result.eval['loss']:.4f}, accuracy "
-                    f"{result.eval['accuracy']:.4f} (clozax evaluate: the whole set)")
-    print(summary)
+    print(summary(out, result))
