@@ -55,8 +55,9 @@ QUICK_DATA_SETTINGS = {**DATA_SETTINGS, "vocab_size": 1024, "seq_len": 64}
 AUDIT_BATCHES, QUICK_AUDIT_BATCHES = 200, 2
 QUICK_PROBE_PER_CLASS = 30  # the probe's minimum examples per class
 QUICK_TRAIN = ["train.batch_size=8", "train.eval_rows=32", "optim.warmup_steps=2"]
-# The fine-tuning stage: the probe's task (a docstring's package, split by module), fine-tuned
-# at one learning rate (no grid: the demo's time) over 3 seeds, trained and random-init.
+# The fine-tuning stage: the probe's task (a docstring's package; trained on the train split's
+# documents, tested on the held-out split's), at one learning rate (no grid: the demo's time)
+# over 3 seeds, trained and random-init.
 DEMO_FINETUNE = finetune_lib.Protocol(learning_rates=(3e-4,), seeds=3, epochs=3)
 QUICK_FINETUNE = finetune_lib.Protocol(learning_rates=(1e-3,), seeds=2, epochs=1, batch_size=8)
 
