@@ -87,9 +87,9 @@ if env("CLOZAX_TEST_SAVE_SECONDS"):  # every checkpoint's background write held 
 if env("CLOZAX_TEST_DIGEST_SECONDS"):  # each digest recorded this long after its commit
     from clozax.train import checkpoint
     real_digests, late = checkpoint._file_digests, float(env("CLOZAX_TEST_DIGEST_SECONDS"))
-    def late_digests(step_dir):
+    def late_digests(*args, **kwargs):
         time.sleep(late)
-        return real_digests(step_dir)
+        return real_digests(*args, **kwargs)
     checkpoint._file_digests = late_digests
 
 if env("CLOZAX_TEST_FAIL_AT"):  # "PROCESS:STEP": that process raises at that sync point
