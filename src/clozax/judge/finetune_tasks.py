@@ -245,9 +245,13 @@ def _has_pair_field(path: Path, fields: Fields) -> bool:
 # --------------------------------------------------------------------------- splitting
 
 
+def keyed_hash(seed: int, key: str) -> int:
+    """The one keyed hash of task splits and choices: 64 bits of sha256(seed, key)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}\x00{key}".encode()).digest()[:8], "big")
+
+
 def _bucket(seed: int, key: str) -> float:
-    digest = hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+    return keyed_hash(seed, key) / 2**64
 
 
 def carve(raw: Raw, seed: int, fractions: dict[str, float]) -> dict[str, Raw]:

@@ -20,7 +20,6 @@ dev files, validation carved out of train), or the run's own dataset labels:
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -143,7 +142,8 @@ def dataset_raws(dataset, tokenizer, seed: int, max_per_class: int) -> tuple[dic
     chosen = []
     for label in kept:
         mine = [i for i, t in enumerate(train.targets) if t == label]
-        chosen += sorted(mine, key=lambda i: _hash(seed, train.digests[i][0]))[:max_per_class]
+        mine.sort(key=lambda i: tasks.keyed_hash(seed, train.digests[i][0]))
+        chosen += mine[:max_per_class]
     validation, test = _split_held_out(heldout, seed, HELDOUT_VALIDATION)
     raws = {"train": train.pick(sorted(chosen)), "validation": heldout.pick(validation),
             "test": heldout.pick(test)}
@@ -171,14 +171,10 @@ def _split_held_out(raw: tasks.Raw, seed: int, share: float) -> tuple[list[int],
         by_label.setdefault(label, []).append(i)
     validation = []
     for ix in by_label.values():
-        ix.sort(key=lambda i: _hash(seed, f"heldout:{raw.digests[i][0]}"))
+        ix.sort(key=lambda i: tasks.keyed_hash(seed, f"heldout:{raw.digests[i][0]}"))
         validation += ix[: max(1, round(share * len(ix))) if len(ix) > 1 else 0]
     chosen = set(validation)
     return sorted(validation), [i for i in range(len(raw.targets)) if i not in chosen]
-
-
-def _hash(seed: int, value: str) -> str:
-    return hashlib.sha256(f"{seed}\x00{value}".encode()).hexdigest()
 
 
 def cap_train(task: tasks.Task, limit: int | None, seed: int) -> tasks.Task:

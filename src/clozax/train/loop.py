@@ -137,7 +137,7 @@ def _header(run: Run, config: RunConfig, params, start: int):
                                          config.model.compute_dtype, n_devices,
                                          config.train.peak_tflops)
     t = config.train
-    first = run.plan.at(min(start, t.steps - 1))  # the segment this invocation starts in
+    first = run.plan.at(start)  # the segment this invocation starts in
     run.log.header(
         devices=n_devices, platform=jax.devices()[0].platform, dtype=config.model.compute_dtype,
         params=model_lib.param_count(params), batch_tokens=first.batch_size * first.seq_len,
@@ -168,7 +168,7 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     revisions = dict(t.budget_revisions)
     prefetch = Prefetcher(batches.device_batch, start, end, depth=t.prefetch)
-    first = run.plan.at(min(start, end - 1))  # a resume inside a phase: that phase's rows
+    first = run.plan.at(start)  # a resume inside a phase: that phase's rows
     pace = Pace(first.batch_size * first.seq_len, flops.model_flops_per_token(
         segment_config(p.config, first).model, first.seq_len), peak, run.started, end)
     p.last_save = time.perf_counter()
