@@ -32,47 +32,37 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
-import platform
 import shutil
 import time
-from dataclasses import asdict, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-import clozax
 import clozax.data.partial as partial
 from clozax.core import files, locks
 from clozax.core.files import file_sha256, publish_dir
-from clozax.data.corpus import MAX_RUN_CHARS, Accounting, CorpusRejected, check_corpus
-from clozax.data.dataset import (
-    FORMAT_VERSION,
-    data_files,
-    file_records,
-    fingerprint,
-    unigram_file,
-)
+from clozax.data.corpus import Accounting, CorpusRejected, check_corpus
+from clozax.data.dataset import FORMAT_VERSION, unigram_file
 from clozax.data.executors import Dask, Local, Task, WorkerFailed
+from clozax.data.manifest import FrozenTokenizer, Shards, build_manifest
 from clozax.data.pack import result_path
 from clozax.data.packing import PACKER_VERSION
 from clozax.data.pieces import piece_costs, plan
 from clozax.data.prepare_config import PrepareConfig, executors
 from clozax.data.prepare_summary import print_summary, progress_bars
 from clozax.data.readers import Layout
-from clozax.data.sources import MAX_DOCUMENT_CHARS, MAX_LINE_BYTES
 from clozax.data.split import SPLITS, TRAIN
 from clozax.data.spool import Dedup, Sample, piece_read, spool_path
-from clozax.data.tokenizer import (
-    find_specials,
-    load_tokenizer,
-    parse_special_tokens,
-    special_strings,
-)
+from clozax.data.tokenizer import find_specials, load_tokenizer, parse_special_tokens
 
 # Test hook: when set, sleep this many seconds after everything is written, before the rename.
 _PAUSE_ENV = "CLOZAX_TEST_PAUSE_BEFORE_RENAME"
+T = TypeVar("T")
 
 
 def prepare(out: str | Path, *, quiet: bool = False, console: Console | None = None,
@@ -114,7 +104,7 @@ def _prepare(config: PrepareConfig, quiet: bool, console: Console, say) -> dict:
         progress = progress_bars(quiet)
         local, executor = executors(config, len(pieces["pieces"]), say)
         with progress, executor:
-            manifest = _build(config, pieces, tmp, progress, seconds, local, executor, say)
+            manifest = _build(_Job(config, tmp, progress, seconds, say, local, executor), pieces)
         if isinstance(executor, Dask) and executor.hosts:  # that the cluster did the work
             say("read and packed on " + ", ".join(f"{host} ({n} tasks)" for host, n in
                                                   sorted(executor.hosts.items())))
@@ -150,79 +140,132 @@ def _check_out(config: PrepareConfig) -> None:
                          "manifest.json); remove it yourself or choose another --out")
 
 
-def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
-           seconds: dict[str, float], local: Local, executor: Local | Dask, say) -> dict:
-    clock = time.perf_counter()
-    # Each phase is keyed by what it depends on (data/partial.py), so a rerun with other
-    # tokenizer or packing settings keeps the reading, and one with the same keeps it all.
-    corpus = partial.corpus_identity(the_plan)
-    tokenizer_key = partial.key_of([corpus, config.tokenizer_model, config.vocab_size,
-                                    config.lowercase, config.tokenizer and
-                                    file_sha256(config.tokenizer)])
-    pack_key = partial.key_of([tokenizer_key, config.seq_len, PACKER_VERSION,
-                               *([config.special_tokens] if config.special_tokens else [])])
-    if (tmp / "manifest.json").is_file() and partial.phase_done(tmp, "manifest", pack_key):
-        return files.read_json(tmp / "manifest.json")  # finished; killed before its rename
-    # 1. read, clean, split and spool the pieces; dedup in corpus order (skipped when a resumed
-    #    run finished it for this corpus)
-    phase1 = files.read_json(tmp / "spool" / "done.json")
-    if phase1 is None or phase1.get("corpus") != corpus:
-        phase1 = _read_pieces(config, the_plan, tmp, progress, executor, corpus, seconds, say)
-    accounting = Accounting(**phase1["accounting"])
-    # "shards" on disk: per split, the pieces with kept documents (one data shard each)
-    docs, groups, pieces = phase1["docs"], phase1["groups"], phase1["shards"]
-    seconds["reading"], clock = time.perf_counter() - clock, time.perf_counter()
+@dataclass(frozen=True)
+class _Job:
+    """What the stages of one prepare share: its settings, partial directory, progress bars,
+    per-phase seconds (for the summary), message sink and executors."""
 
-    # 2. tokenizer, frozen (written under a temporary name, so its presence means finished)
-    tokenizer_path = tmp / "tokenizer.json"
-    if tokenizer_path.is_file() and not partial.phase_done(tmp, "tokenizer",
-                                                           tokenizer_key):
-        say("the tokenizer settings or the corpus changed since the unfinished prepare: "
-            "training the tokenizer again (the reading is kept)")
-        tokenizer_path.unlink()
-    if not tokenizer_path.is_file():
+    config: PrepareConfig
+    tmp: Path
+    progress: Progress
+    seconds: dict[str, float]
+    say: Callable[[str], None]
+    local: Local
+    executor: Local | Dask
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """Each phase keyed by what it depends on (data/partial.py), so a rerun with other
+    tokenizer or packing settings keeps the reading, and one with the same keeps it all."""
+
+    corpus: str
+    tokenizer: str
+    pack: str
+
+
+def _build(job: _Job, the_plan: dict) -> dict:
+    keys = _phase_keys(job.config, the_plan)
+    if (job.tmp / "manifest.json").is_file() and partial.phase_done(job.tmp, "manifest",
+                                                                    keys.pack):
+        return files.read_json(job.tmp / "manifest.json")  # finished; killed before its rename
+    phase1 = _timed(job, "reading", lambda: _spooled(job, the_plan, keys.corpus))
+    tokenizer = _timed(job, "tokenizer", lambda: _frozen_tokenizer(job, phase1, keys.tokenizer))
+    _timed(job, "packing", lambda: _pack(job, phase1, tokenizer, keys.pack))
+    shards = _gathered(job, phase1, tokenizer)
+    manifest = build_manifest(job.config, tokenizer, shards, job.tmp)
+    files.write_json(job.tmp / "manifest.json", manifest)
+    partial.mark_phase(job.tmp, "manifest", keys.pack)
+    return manifest
+
+
+def _timed(job: _Job, phase: str, stage: Callable[[], T]) -> T:
+    started = time.perf_counter()
+    result = stage()
+    job.seconds[phase] = time.perf_counter() - started
+    return result
+
+
+def _phase_keys(config: PrepareConfig, the_plan: dict) -> _Keys:
+    corpus = partial.corpus_identity(the_plan)
+    tokenizer = partial.key_of([corpus, config.tokenizer_model, config.vocab_size,
+                                config.lowercase, config.tokenizer and
+                                file_sha256(config.tokenizer)])
+    pack = partial.key_of([tokenizer, config.seq_len, PACKER_VERSION,
+                           *([config.special_tokens] if config.special_tokens else [])])
+    return _Keys(corpus, tokenizer, pack)
+
+
+def _spooled(job: _Job, the_plan: dict, corpus: str) -> dict:
+    """Phase 1: read, clean, split and spool the pieces; dedup in corpus order (kept when a
+    resumed run finished it for this corpus)."""
+    phase1 = files.read_json(job.tmp / "spool" / "done.json")
+    if phase1 is None or phase1.get("corpus") != corpus:
+        phase1 = _read_pieces(job, the_plan, corpus)
+    return phase1
+
+
+def _frozen_tokenizer(job: _Job, phase1: dict, key: str) -> FrozenTokenizer:
+    """Phase 2: the tokenizer, trained on train documents only (or ``--tokenizer`` copied
+    byte for byte), written under a temporary name so that its presence means finished."""
+    config, tmp = job.config, job.tmp
+    path = tmp / "tokenizer.json"
+    if path.is_file() and not partial.phase_done(tmp, "tokenizer", key):
+        job.say("the tokenizer settings or the corpus changed since the unfinished prepare: "
+                "training the tokenizer again (the reading is kept)")
+        path.unlink()
+    if not path.is_file():
         partial_tokenizer = tmp / "tokenizer.json.partial"
         if config.tokenizer is not None:
             shutil.copyfile(config.tokenizer, partial_tokenizer)  # unchanged, byte for byte
         else:
             threshold = phase1["sample_threshold"]
-            n_train = docs[TRAIN] if threshold is None else config.tokenizer_sample
-            training = progress.add_task("training tokenizer", total=1, detail=f"{n_train:,}")
+            n_train = phase1["docs"][TRAIN] if threshold is None else config.tokenizer_sample
+            training = job.progress.add_task("training tokenizer", total=1,
+                                             detail=f"{n_train:,}")
             options = {"model": config.tokenizer_model, "vocab_size": config.vocab_size,
                        "lowercase": config.lowercase, "length": n_train}
-            local.run([Task("train", {  # here: one task with every local core's thread
-                "tmp": str(tmp), "pieces": pieces[TRAIN], "threshold": threshold,
+            job.local.run([Task("train", {  # here: one task with every local core's thread
+                "tmp": str(tmp), "pieces": phase1["shards"][TRAIN], "threshold": threshold,
                 "seed": config.seed, "options": options})])
-            progress.advance(training)
-        partial.mark_phase(tmp, "tokenizer", tokenizer_key)
-        partial_tokenizer.rename(tokenizer_path)
-    seconds["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
-    tok = load_tokenizer(tokenizer_path)
+            job.progress.advance(training)
+        partial.mark_phase(tmp, "tokenizer", key)
+        partial_tokenizer.rename(path)
+    tok = load_tokenizer(path)
     names = parse_special_tokens(config.special_tokens) if config.special_tokens else None
-    specials = find_specials(tok, names)
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    return FrozenTokenizer(path, tok, find_specials(tok, names),
+                      tok.get_vocab_size(with_added_tokens=True))
 
-    # 3. encode, chunk, pack, write: one data shard per piece with kept documents of a split
+
+def _pack(job: _Job, phase1: dict, tokenizer: FrozenTokenizer, key: str) -> None:
+    """Phase 3: encode, chunk, pack and write one data shard per piece with kept documents of
+    a split, over the workers; a shard's result file marks it finished."""
+    tmp, pieces = job.tmp, phase1["shards"]  # per split, the pieces with kept documents
     tasks = [Task("pack", {"tmp": str(tmp), "split": split, "k": k, "piece": piece,
-                           "seq_len": config.seq_len, "specials": specials},
+                           "seq_len": job.config.seq_len, "specials": tokenizer.specials},
                   spool_path(tmp, piece, split).stat().st_size)
              for split in SPLITS for k, piece in enumerate(pieces[split])]
-    packing = progress.add_task("packing shards", total=len(tasks), detail="")
-    if (tmp / "results").is_dir() and not partial.phase_done(tmp, "packing",
-                                                              pack_key):
+    packing = job.progress.add_task("packing shards", total=len(tasks), detail="")
+    if (tmp / "results").is_dir() and not partial.phase_done(tmp, "packing", key):
         shutil.rmtree(tmp / "results")  # packed for another seq_len or tokenizer
     (tmp / "results").mkdir(exist_ok=True)
-    partial.mark_phase(tmp, "packing", pack_key)
+    partial.mark_phase(tmp, "packing", key)
     todo = [t for t in tasks if not result_path(tmp, t.args["split"], t.args["k"]).is_file()]
-    progress.advance(packing, len(tasks) - len(todo))
-    executor.run(todo, done=lambda i: progress.advance(packing))
-    seconds["packing"] = time.perf_counter() - clock
-    split_stats, ids_sha256, index = {}, {}, {}
+    job.progress.advance(packing, len(tasks) - len(todo))
+    job.executor.run(todo, done=lambda i: job.progress.advance(packing))
+
+
+def _gathered(job: _Job, phase1: dict, tokenizer: FrozenTokenizer) -> Shards:
+    """The shards' results added up per split, in shard order, one result held at a time;
+    the unigram counts written; the spools and results deleted."""
+    tmp, seq_len = job.tmp, job.config.seq_len
+    accounting = Accounting(**phase1["accounting"])
+    stats, ids_sha256, index = {}, {}, {}
     keys = ("documents", "rows", "tokens", "chunks", "chunked_documents")
     for split in SPLITS:
-        ids_hash, counts = hashlib.sha256(), np.zeros(vocab_size, np.int64)
+        ids_hash, counts = hashlib.sha256(), np.zeros(tokenizer.vocab_size, np.int64)
         total, index[split], skipped = dict.fromkeys(keys, 0), [], 0
-        for k in range(len(pieces[split])):  # in shard order, one result held at a time
+        for k in range(len(phase1["shards"][split])):
             result = files.read_json(result_path(tmp, split, k))
             for source, reason in result["skips"]:
                 accounting.unkeep(source, reason)
@@ -234,81 +277,27 @@ def _build(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
             skipped += len(result["skips"])
         np.save(tmp / unigram_file(split), counts)
         ids_sha256[split] = ids_hash.hexdigest()
-        split_stats[split] = {
-            "groups": groups[split], "documents": total["documents"], "rows": total["rows"],
-            "tokens": total["tokens"], "pad_tokens": total["rows"] * config.seq_len -
-            total["tokens"], "chunks": total["chunks"],
+        stats[split] = {
+            "groups": phase1["groups"][split], "documents": total["documents"],
+            "rows": total["rows"], "tokens": total["tokens"],
+            "pad_tokens": total["rows"] * seq_len - total["tokens"], "chunks": total["chunks"],
             "chunked_documents": total["chunked_documents"], "skipped_documents": skipped}
     accounting.check()
     for split in SPLITS:
-        if split_stats[split]["documents"] == 0:
+        if stats[split]["documents"] == 0:
             raise ValueError(f"the {split} split has no document with a non-special token after "
-                             f"tokenization; add text to {config.corpus}")
+                             f"tokenization; add text to {job.config.corpus}")
     shutil.rmtree(tmp / "spool")
     shutil.rmtree(tmp / "results")
-
-    # 4. manifest
-    real = sum(s["tokens"] for s in split_stats.values())
-    total = sum(s["rows"] for s in split_stats.values()) * config.seq_len
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "clozax_version": clozax.__version__,
-        "corpus": {"source": config.corpus, "text_field": config.text_field,
-                   "group_field": config.group_field, "label_field": config.label_field,
-                   "text_unit": config.text_unit, "group_by": config.group_by,
-                   **({"python": platform.python_version()} if config.corpus == "stdlib"
-                      else {})},
-        "documents": {"read": accounting.read, "kept": accounting.kept,
-                      "duplicates": accounting.duplicates, "skipped": accounting.skipped},
-        "skipped": accounting.skips,
-        "skip_reasons": accounting.skip_reasons,
-        "splits": split_stats,
-        "shards": index,
-        "tokenizer": {
-            "file": tokenizer_path.name, "sha256": file_sha256(tokenizer_path),
-            "vocab_size": vocab_size,
-            "trained_on": "given" if config.tokenizer else TRAIN,
-            "sample": None if config.tokenizer else config.tokenizer_sample,
-            "model": "given" if config.tokenizer else config.tokenizer_model,
-            "lowercase": None if config.tokenizer else config.lowercase,
-            "specials": specials,
-            "special_strings": special_strings(tok, specials),
-        },
-        "seq_len": config.seq_len,
-        "packing_efficiency": real / total,
-        "heldout_fraction": config.heldout_fraction,
-        "seed": config.seed,
-        # What is cut before the tokenizer so that no input shape costs more than linear time
-        # or unbounded memory (see readers, sources, corpus).
-        "caps": {"document_chars": MAX_DOCUMENT_CHARS, "run_chars": MAX_RUN_CHARS,
-                 "jsonl_line_bytes": MAX_LINE_BYTES},
-    }
-    # Everything that determines the rows; its hash is the dataset's fingerprint.
-    manifest["identity"] = {
-        "document_ids_sha256": ids_sha256,
-        "split": {"seed": config.seed, "heldout_fraction": config.heldout_fraction,
-                  "group_field": config.group_field},
-        "text_field": config.text_field,
-        "seq_len": config.seq_len,
-        "packer": PACKER_VERSION,
-        "shard_bytes": config.shard_bytes,
-        "tokenizer_sha256": manifest["tokenizer"]["sha256"],
-        **({"specials": specials} if config.special_tokens else {}),  # named, not found
-        "files": file_records(tmp, data_files(index)),
-    }
-    manifest["fingerprint"] = fingerprint(manifest["identity"])
-    files.write_json(tmp / "manifest.json", manifest)
-    partial.mark_phase(tmp, "manifest", pack_key)
-    return manifest
+    return Shards(accounting, stats, index, ids_sha256)
 
 
-def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Progress,
-                 executor: Local | Dask, corpus: str, seconds: dict[str, float],
-                 say) -> dict:
+def _read_pieces(job: _Job, the_plan: dict, corpus: str) -> dict:
     """Phase 1 (see the module docstring and ``data/spool.py``): read pieces over the workers,
     merging each here as soon as every piece before it is merged."""
+    config, tmp, progress, seconds = job.config, job.tmp, job.progress, job.seconds
     (tmp / "spool").mkdir(exist_ok=True)
-    partial.keep_read_pieces(tmp / "spool", the_plan, say)  # a changed file is read again
+    partial.keep_read_pieces(tmp / "spool", the_plan, job.say)  # a changed file is read again
     files.write_json(tmp / "spool" / "plan.json", the_plan)
     files.write_json(tmp / "spool" / "settings.json", {
         "fields": [config.text_field, config.group_field, config.label_field],
@@ -337,8 +326,8 @@ def _read_pieces(config: PrepareConfig, the_plan: dict, tmp: Path, progress: Pro
 
     merge_ready()
     todo, costs = [i for i in range(n) if not read[i]], piece_costs(the_plan)
-    executor.run([Task("read", {"tmp": str(tmp), "piece": i}, costs[i]) for i in todo],
-                 done=finished)
+    job.executor.run([Task("read", {"tmp": str(tmp), "piece": i}, costs[i]) for i in todo],
+                     done=finished)
     groups = dedup.close()
     accounting = dedup.accounting
     accounting.check()

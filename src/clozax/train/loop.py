@@ -172,6 +172,7 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
     pace = Pace(first.batch_size * first.seq_len, flops.model_flops_per_token(
         segment_config(p.config, first).model, first.seq_len), peak, run.started, end)
     p.last_save = time.perf_counter()
+    lp = _Loop(run, stop_after, prefetch, pace, evaluator, eval_set, checkpointer, budget)
     try:
         log.start(total=t.steps, completed=start)
         for i, batch in prefetch:
@@ -202,8 +203,7 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
                 pace.begin(step, time.perf_counter(), prefetch.wait_seconds)
             if step in revisions:  # a recorded budget revision: the same step, the same length
                 p.state = with_total_steps(p.state, revisions[step])
-            end = _sync_point(run, p, segment, step, end, stop_after, prefetch, pace, evaluator,
-                              eval_set, checkpointer, budget)
+            end = _sync_point(lp, p, segment, step, end)
         _finish(p, checkpointer, budget, log)
         if run.interrupts.signal_name is not None:  # after the last sync point: saved, go
             step = int(jax.device_get(p.state.step))
@@ -223,71 +223,118 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
                        p.state)
 
 
-def _sync_point(run: Run, p: _Progress, segment, step: int, end: int, stop_after, prefetch,
-                pace: Pace, evaluator: Evaluator, eval_set, checkpointer, budget) -> int:
+@dataclass(frozen=True)
+class _Loop:
+    """What every sync point of one ``_loop`` reads (the objects, not their state)."""
+
+    run: Run
+    stop_after: int | None
+    prefetch: Prefetcher
+    pace: Pace
+    evaluator: Evaluator
+    eval_set: tuple
+    checkpointer: object
+    budget: object | None
+
+
+@dataclass(frozen=True)
+class _Due:
+    """What a sync point after a step has to do."""
+
+    log: bool
+    eval: bool
+    save: bool
+    stop: bool  # SIGTERM, SIGINT or a job's preemption notice
+
+
+def _sync_point(lp: _Loop, p: _Progress, segment, step: int, end: int) -> int:
     """After step ``step``: when a log, evaluation or save is due (or a signal arrived), read
     the metrics since the last one, check them, act on them. Returns the last step to train."""
-    t, plan, log = p.config.train, run.plan, run.log
+    due = _due(lp.run, p, segment, step, end)
+    if not (due.log or due.eval or due.save):
+        lp.run.log.advance(step)
+        return end
+    last, now = _read_metrics(p, lp.checkpointer)
+    record = _log_record(lp, p, segment, step, last, now) if due.log else None
+    if due.eval:
+        record = _evaluate(lp, p, segment, step, record)
+    if due.save:
+        record = _save(lp.run, p, segment, step, record, lp.pace, lp.checkpointer, lp.budget)
+    if record is not None:
+        lp.run.log.metrics(record)
+    if lp.budget is not None and due.log:
+        end = _revise_budget(lp, p, step, end)
+    lp.run.log.advance(step, p.loss)
+    if due.stop and step < p.config.train.steps:
+        lp.checkpointer.wait()  # committed and digested before the process goes
+        raise Interrupted(lp.run.interrupts.signal_name, step, lp.run.run_dir)
+    return end
+
+
+def _due(run: Run, p: _Progress, segment, step: int, end: int) -> _Due:
+    t, plan = p.config.train, run.plan
     boundary = plan.phased and step == segment.phase_end  # a phase's last update
-    due_eval = step % t.eval_every == 0 or step == t.steps or boundary
     overdue = (t.save_every_minutes is not None
                and time.perf_counter() - p.last_save >= 60 * t.save_every_minutes)
-    stop = run.interrupts.reached(step)  # SIGTERM, SIGINT or a job's preemption notice
-    due_save = step % t.save_every == 0 or step == t.steps or overdue or stop or boundary
-    due_log = step % t.log_every == 0 or step == end or stop
-    if not (due_log or due_eval or due_save):
-        log.advance(step)
-        return end
+    stop = run.interrupts.reached(step)
+    return _Due(log=step % t.log_every == 0 or step == end or stop,
+                eval=step % t.eval_every == 0 or step == t.steps or boundary,
+                save=step % t.save_every == 0 or step == t.steps or overdue or stop or boundary,
+                stop=stop)
 
+
+def _read_metrics(p: _Progress, checkpointer) -> tuple[dict, float]:
+    """The metrics of every step since the last read, checked finite; the last step's, and
+    when they were read."""
     fetched = _fetch([m for _, m in p.pending])
     now = time.perf_counter()
     evaluation.check_finite(p.pending, fetched, checkpointer)
     p.loss = float(fetched[-1]["loss"])
     p.pending = []
-    record = None
-    if due_log:
-        m = fetched[-1]
-        record = {
-            **step_fields(plan, segment, step), "loss": p.loss,
-            "lr": float(m["lr"]), "selected": int(m["selected"]),
-            "grad_norm": float(m["grad_norm"]),
-            "data_wait_s": round(prefetch.wait_seconds, 4),
-            **pace.fields(step, now, prefetch.wait_seconds),
-        }
-    if due_eval:
-        t_eval = time.perf_counter()
-        p.last_eval = evaluator.evaluate(p.state.params, *eval_set, segment)
-        record = record or {**step_fields(plan, segment, step), "loss": p.loss}
-        record["eval"] = p.last_eval  # on a sample of the frozen set (its rows)
-        spent = time.perf_counter() - t_eval  # one reading for the record and pace
-        record["eval_seconds"] = round(spent, 3)
-        if budget is not None:
-            budget.spent_outside(spent)
-        pace.exclude(spent)  # tokens/s: training time only
-    if due_save:
-        record = _save(run, p, segment, step, record, pace, checkpointer, budget)
-    if record is not None:
-        log.metrics(record)
-    if budget is not None and due_log:
-        revised = budget.revise(step, t.steps, t.eval_every, t.save_every)
-        revised = distributed.broadcast(-1 if revised is None else revised)
-        if revised >= 0:
-            t = replace(t, steps=revised, budget_revisions=(*t.budget_revisions,
-                                                            (step, revised)))
-            p.config = replace(p.config, train=t)
-            p.state = with_total_steps(p.state, revised)
-            if run.primary:
-                files.write_json(run.run_dir / CONFIG_FILE, p.config.to_dict(), sort_keys=True)
-            end = revised if stop_after is None else min(revised, stop_after)
-            prefetch.stop_at(end)
-            pace.end = end
-            log.retotal(revised)
-            log.info(f"budget: re-estimated at step {step}; the run now ends at step "
-                     f"{revised} (recorded in config.json)")
-    log.advance(step, p.loss)
-    if stop and step < t.steps:
-        checkpointer.wait()  # committed and digested before the process goes
-        raise Interrupted(run.interrupts.signal_name, step, run.run_dir)
+    return fetched[-1], now
+
+
+def _log_record(lp: _Loop, p: _Progress, segment, step: int, m: dict, now: float) -> dict:
+    wait = lp.prefetch.wait_seconds
+    return {**step_fields(lp.run.plan, segment, step), "loss": p.loss, "lr": float(m["lr"]),
+            "selected": int(m["selected"]), "grad_norm": float(m["grad_norm"]),
+            "data_wait_s": round(wait, 4), **lp.pace.fields(step, now, wait)}
+
+
+def _evaluate(lp: _Loop, p: _Progress, segment, step: int, record: dict | None) -> dict:
+    """The in-training held-out number, on a sample of the frozen set; its time is not
+    training time (tokens/s) and not the budget's."""
+    started = time.perf_counter()
+    p.last_eval = lp.evaluator.evaluate(p.state.params, *lp.eval_set, segment)
+    record = record or {**step_fields(lp.run.plan, segment, step), "loss": p.loss}
+    record["eval"] = p.last_eval  # on a sample of the frozen set (its rows)
+    spent = time.perf_counter() - started  # one reading for the record and pace
+    record["eval_seconds"] = round(spent, 3)
+    if lp.budget is not None:
+        lp.budget.spent_outside(spent)
+    lp.pace.exclude(spent)  # tokens/s: training time only
+    return record
+
+
+def _revise_budget(lp: _Loop, p: _Progress, step: int, end: int) -> int:
+    """A time budget's re-estimate of the run's length, the same on every process, recorded
+    in config.json. Returns the last step to train."""
+    t, run = p.config.train, lp.run
+    revised = lp.budget.revise(step, t.steps, t.eval_every, t.save_every)
+    revised = distributed.broadcast(-1 if revised is None else revised)
+    if revised < 0:
+        return end
+    t = replace(t, steps=revised, budget_revisions=(*t.budget_revisions, (step, revised)))
+    p.config = replace(p.config, train=t)
+    p.state = with_total_steps(p.state, revised)
+    if run.primary:
+        files.write_json(run.run_dir / CONFIG_FILE, p.config.to_dict(), sort_keys=True)
+    end = revised if lp.stop_after is None else min(revised, lp.stop_after)
+    lp.prefetch.stop_at(end)
+    lp.pace.end = end
+    run.log.retotal(revised)
+    run.log.info(f"budget: re-estimated at step {step}; the run now ends at step {revised} "
+                 "(recorded in config.json)")
     return end
 
 
