@@ -135,6 +135,17 @@ def prepare(
     prepare_dataset(options.pop("out"), **options)
 
 
+@app.command()
+def examples(
+    out: Annotated[Path, typer.Argument(help="Directory to write the example files into.")],
+):
+    """Write example inputs made from the built-in corpus: the files the tutorials read."""
+    from clozax.data.examples import write_examples
+
+    for name, what in write_examples(out):
+        print(f"{name:34} {what}")
+
+
 app.command()(train)
 
 
