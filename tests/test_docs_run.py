@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from commands import one_line_error
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent
@@ -143,10 +145,15 @@ def test_every_tutorial_and_how_to_block_runs_as_written(tmp_path):
     assert ran >= 15
 
 
-def test_the_example_task_files_hold_no_text_of_the_example_corpora(tmp_path):
-    from clozax.data.examples import write_examples
+def test_the_example_task_files_hold_no_text_of_the_example_corpora(tmp_path, capsys):
+    from clozax.data.examples import NAMES, write_examples
 
     written = dict(write_examples(tmp_path))
+    assert {name.rstrip("/") for line in written for name in line.split()} == set(NAMES)
+    # run again where they are: refused in one line, nothing replaced
+    before = (tmp_path / "train.jsonl").read_bytes()
+    assert "already exists" in one_line_error(capsys, "examples", tmp_path)
+    assert (tmp_path / "train.jsonl").read_bytes() == before
     corpus = {p.read_text().strip() for p in (tmp_path / "texts").rglob("*.txt")}
     dump = {json.loads(line)["body"] for line in (tmp_path / "dump.jsonl").open()}
     assert corpus == dump and len(corpus) > 1000

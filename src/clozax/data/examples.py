@@ -38,11 +38,20 @@ PRETRAINING_SHARE = 0.6  # of the built-in corpus's module files
 MAX_PRETRAINING_DOCS = 3000
 MAX_CHARS = 1500  # per example document (the first paragraphs of a long docstring)
 TASK_CLASSES, PER_CLASS = 6, 80
+NAMES = ("texts", "book.txt", "dump.jsonl", "dump.jsonl.zst", "crawl", "hf_saved_dataset",
+         "labels.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "new.jsonl", "pairs.csv",
+         "sts.tsv", "ner.conll")
 _CODE_WORD = re.compile(r"^`*(\w+\(\)|\w+_\w+|\w+\.\w+\w)`*[.,:;]?$")
 
 
 def write_examples(out: Path) -> list[tuple[str, str]]:
-    """Write every example file under ``out``; ``(name, what)`` per file written or skipped."""
+    """Write every example file under ``out``; ``(name, what)`` per file written or skipped.
+    Refuses (``ValueError``) when one of them is there already: nothing of yours is mixed in
+    or replaced."""
+    there = [name for name in NAMES if (out / name).exists()]
+    if there:
+        raise ValueError(f"{out / there[0]} already exists; clozax examples writes "
+                         f"{', '.join(NAMES)}: give it a directory without them")
     pretraining, task = _split(_documents())
     out.mkdir(parents=True, exist_ok=True)
     written = _pretraining_files(out, pretraining) + _task_files(out, task)
