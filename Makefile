@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast docs lint clean
+.PHONY: demo test test-fast test-docs docs lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,9 +17,12 @@ demo: $(STAMP)
 # pytest-xdist workers (tests/README.md: two on 2 cores, each test file on one worker)
 TEST_WORKERS ?= 2
 
-test: $(STAMP)  # everything: CI's command and the README's
+test: $(STAMP)  # everything but the docs run: CI's command and the README's
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not docs_run"
+
+test-docs: $(STAMP)  # every block of the tutorials and how-to pages, as written (CI runs it too)
+	$(BIN)/python -m pytest -m docs_run tests/test_docs_run.py
 
 test-fast: $(STAMP)  # the edit-test loop: the pure-function tier, under 3 minutes
 	$(BIN)/ruff check src tests benchmarks

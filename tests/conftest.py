@@ -61,17 +61,6 @@ def pytest_configure(config):
                                       "clozax-suite-profile")
 
 
-# The longest files start first (make test's workers take files in collection order): a long
-# file that starts last is the whole suite's tail. Measured with --durations, 2026-12-03:
-# the documentation run about 430 s alone, the several-processes job about 100-170 s.
-LONGEST_FIRST = ("test_docs_run.py", "test_distributed.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else as collected
-
-
 TINY_OVERRIDES = [
     "train.batch_size=8",
     "train.steps=6",

@@ -117,6 +117,7 @@ def test_sizes_change_only_the_numbers_they_name():
 
 
 @pytest.mark.slow
+@pytest.mark.docs_run
 def test_every_tutorial_and_how_to_block_runs_as_written(tmp_path):
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
            "HOME": str(tmp_path / "home"), "COLUMNS": "120"}
