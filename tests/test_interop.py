@@ -430,3 +430,20 @@ def test_cli_export_writes_a_directory_transformers_loads(clozax_runs, tmp_path,
     model = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"))
     assert type(model).__name__ == "BertForMaskedLM"
     assert "not empty" in one_line_error(capsys, "export", clozax_runs["post"], tmp_path / "hf")
+
+
+@pytest.mark.parametrize("layer_norm", LAYER_NORMS)
+@pytest.mark.parametrize("pooling, normalize", [("mean", False), ("cls", True)])
+def test_sentence_transformers_loads_the_export_and_embeds_as_clozax(
+        layer_norm, pooling, normalize, clozax_runs, tmp_path):
+    pytest.importorskip("sentence_transformers")
+    from clozax.interop.sentence import sentence_parity
+
+    out = interop.export_run(clozax_runs[layer_norm], tmp_path / "st", pooling=pooling,
+                             normalize=normalize)
+    pool_config = json.loads((out / "1_Pooling" / "config.json").read_text())
+    assert pool_config["pooling_mode_mean_tokens"] is (pooling == "mean")
+    assert pool_config["pooling_mode_cls_token"] is (pooling == "cls")
+    assert (out / "2_Normalize").is_dir() is normalize
+    texts = ["the quick brown fox jumps over the lazy dog", "a short one", "hello world"]
+    assert sentence_parity(clozax_runs[layer_norm], out, texts, pooling, normalize) < 1e-4

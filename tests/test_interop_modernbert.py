@@ -182,3 +182,13 @@ def test_a_bert_layout_run_with_a_modern_option_refuses_to_export(tmp_path):
         for_model(model_config.preset("small", positions="rope"))
     assert for_model(model_config.preset("modern-small")).mlm == "ModernBertForMaskedLM"
     assert for_model(model_config.preset("small")).mlm == "RobertaPreLayerNormForMaskedLM"
+
+
+def test_sentence_transformers_loads_the_modern_export_and_embeds_as_clozax(clozax_run,
+                                                                            tmp_path):
+    pytest.importorskip("sentence_transformers")
+    from clozax.interop.sentence import sentence_parity
+
+    out = interop.export_run(clozax_run, tmp_path / "st", pooling="mean")
+    texts = ["the quick brown fox jumps over the lazy dog", "a short one", "hello world"]
+    assert sentence_parity(clozax_run, out, texts) < 1e-4

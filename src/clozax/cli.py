@@ -158,16 +158,32 @@ def export(
         bool, typer.Option(help="Load the export in transformers (needs torch) and compare "
                            "logits with clozax on a few sentences.")
     ] = False,
+    sentence_transformers: Annotated[bool, typer.Option(
+        "--sentence-transformers",
+        help="Also write the files SentenceTransformer(OUT) loads (pooling, similarity).")
+    ] = False,
+    pooling: Annotated[str, typer.Option(
+        help="With --sentence-transformers: 'mean' (the real tokens' mean) or 'cls'.")
+    ] = "mean",
+    normalize: Annotated[bool, typer.Option(
+        help="With --sentence-transformers: unit-length embeddings (a Normalize module).")
+    ] = False,
 ):
     """Write a run as a Hugging Face transformers model + tokenizer directory."""
     from clozax import interop
 
-    interop.export_run(run, out, step)
+    interop.export_run(run, out, step, pooling if sentence_transformers else None, normalize)
     print(f"exported {run} to {out}")
     if verify:
         texts = ["the quick brown fox jumps over the lazy dog", "a short one", "hello world"]
         diff = interop.hf_parity(run, out, texts)
         print(f"max |clozax - transformers| on {len(texts)} sentences: {diff:.2e}")
+        if sentence_transformers:
+            from clozax.interop.sentence import sentence_parity
+
+            diff = sentence_parity(run, out, texts, pooling, normalize)
+            print(f"max |clozax - SentenceTransformer.encode| on {len(texts)} sentences: "
+                  f"{diff:.2e}")
 
 
 @app.command("import-hf")

@@ -13,18 +13,21 @@ from clozax.core.files import staged_dir
 from clozax.interop.families import for_model
 from clozax.interop.family import at_trained_length
 from clozax.interop.hf_files import check_fresh_output, special_tokens, write_tokenizer
+from clozax.interop.sentence import write_sentence_files
 from clozax.train import finetuned
 from clozax.train.run_dir import load_run
 
 
-def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+def export_run(run_dir: Path, out_dir: Path, step: int | None = None,
+               pooling: str | None = None, normalize: bool = False) -> Path:
     """Write ``run_dir``'s checkpoint (default: latest) as a ``transformers`` directory.
 
     Files: config.json, model.safetensors, tokenizer.json (the run's, byte for byte),
     tokenizer_config.json and special_tokens_map.json (``PreTrainedTokenizerFast``).
     ``model_max_length`` (and, for learned positions, ``max_position_embeddings``) is the
     length the run trained on (``LoadedRun.trained_length``), not the table's size.
-    Returns ``out_dir``.
+    With ``pooling`` (``mean`` or ``cls``), also the files ``SentenceTransformer(out_dir)``
+    reads (``interop/sentence.py``). Returns ``out_dir``.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if finetuned.is_finetuned(run_dir):
@@ -50,4 +53,6 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
         files.write_json(tmp / "config.json", family.hf_config(model_config, specials, with_head),
                          sort_keys=True)
         write_tokenizer(tmp, run.tokenizer_path, tokens, length)
+        if pooling is not None:
+            write_sentence_files(tmp, model_config.hidden, length, pooling, normalize)
     return out_dir

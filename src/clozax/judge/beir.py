@@ -1,0 +1,98 @@
+"""A retrieval set in BEIR's layout on disk: ``corpus.jsonl`` (``_id``, ``title``, ``text``),
+``queries.jsonl`` (``_id``, ``text``) and ``qrels/SPLIT.tsv`` (``query-id``, ``corpus-id``,
+``score``, with a header row), as BEIR's ``GenericDataLoader`` reads them. A document's text is
+its title and its text joined by a space, as BEIR's dense models encode it.
+
+Bad input is one ``ValueError`` line naming the file and the fix: a missing file, a malformed
+line, a duplicate id, an empty corpus, queries without qrels, qrels naming a query or document
+that is not there.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RetrievalSet:
+    """Documents and queries by id, and the graded judgements of the queries scored."""
+
+    documents: dict[str, str]
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]]
+
+
+def read_beir(directory: Path, split: str = "test") -> RetrievalSet:
+    """The set in ``directory``; only the queries the ``split``'s qrels judge."""
+    directory = Path(directory)
+    paths = {"corpus": directory / "corpus.jsonl", "queries": directory / "queries.jsonl",
+             "qrels": directory / "qrels" / f"{split}.tsv"}
+    for path in paths.values():
+        if not path.is_file():
+            raise ValueError(f"{path} is missing; a BEIR folder holds corpus.jsonl, "
+                             f"queries.jsonl and qrels/{split}.tsv")
+    documents = {i: " ".join(t for t in (r.get("title") or "", r.get("text") or "") if t)
+                 for i, r in _records(paths["corpus"])}
+    if not documents:
+        raise ValueError(f"{paths['corpus']} has no document; give one JSON object per line "
+                         "with _id and text")
+    queries = {i: r.get("text") or "" for i, r in _records(paths["queries"])}
+    qrels = _qrels(paths["qrels"])
+    for query, judged in qrels.items():
+        if query not in queries:
+            raise ValueError(f"{paths['qrels']} judges query {query!r}, which "
+                             f"{paths['queries'].name} does not have; add it or remove its "
+                             "rows")
+        missing = next((d for d in judged if d not in documents), None)
+        if missing is not None:
+            raise ValueError(f"{paths['qrels']} names document {missing!r} for query "
+                             f"{query!r}, which {paths['corpus'].name} does not have; add it "
+                             "or remove the row")
+    if not any(g >= 1 for judged in qrels.values() for g in judged.values()):
+        raise ValueError(f"{paths['qrels']} judges no document relevant (score >= 1); "
+                         "queries without relevant documents cannot be scored")
+    return RetrievalSet(documents, {q: queries[q] for q in qrels}, qrels)
+
+
+def _records(path: Path):
+    seen = set()
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                key = str(record["_id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{number} is not a JSON object with an _id; fix or "
+                                 "remove the line") from None
+            if key in seen:
+                raise ValueError(f"{path}:{number} repeats _id {key!r}; ids must be unique")
+            seen.add(key)
+            yield key, record
+
+
+def _qrels(path: Path) -> dict[str, dict[str, int]]:
+    qrels: dict[str, dict[str, int]] = {}
+    with path.open(encoding="utf-8", newline="") as f:
+        rows = csv.reader(f, delimiter="\t")
+        header = next(rows, None)
+        if header is None or [h.strip() for h in header[:3]] != ["query-id", "corpus-id",
+                                                                 "score"]:
+            raise ValueError(f"{path} must start with the header query-id, corpus-id, score "
+                             "(tab-separated), as BEIR's qrels do")
+        for number, row in enumerate(rows, 2):
+            if not row:
+                continue
+            try:
+                query, doc, score = row[0], row[1], int(float(row[2]))
+            except (IndexError, ValueError):
+                raise ValueError(f"{path}:{number} is not query-id, corpus-id, score; fix or "
+                                 "remove the line") from None
+            qrels.setdefault(query, {})[doc] = score
+    if not qrels:
+        raise ValueError(f"{path} has no judgement; queries without qrels cannot be scored")
+    return qrels

@@ -1,0 +1,139 @@
+"""Retrieval metrics as trec_eval defines them (checked against pytrec_eval, the trec_eval that
+BEIR calls), exact top-k search in blocks, and BEIR's layout read with one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clozax.judge import retrieval
+from clozax.judge.beir import read_beir
+
+pytestmark = pytest.mark.fast
+
+# A hand-made set: graded judgements (0 = judged not relevant), ties in the run, a query whose
+# relevant document is not retrieved, one with no relevant document (not scored).
+QRELS = {
+    "q1": {"d1": 2, "d2": 1, "d3": 0, "d9": 1},
+    "q2": {"d4": 1},
+    "q3": {"d7": 3, "d8": 1},
+    "q4": {"d2": 0},
+}
+RUN = {
+    "q1": {"d3": 0.9, "d1": 0.8, "d5": 0.8, "d2": 0.8, "d6": 0.1},
+    "q2": {"d1": 0.5, "d2": 0.4},
+    "q3": {"d8": 1.0, "d7": 1.0, "d1": 0.2},
+    "q4": {"d2": 0.3},
+}
+
+
+def _reference(qrels, run, measures):
+    pytrec_eval = pytest.importorskip("pytrec_eval", reason="pip install pytrec-eval-terrier")
+    return pytrec_eval.RelevanceEvaluator(qrels, measures).evaluate(run)
+
+
+def test_ndcg_recall_and_mrr_equal_trec_evals_on_a_hand_made_set_with_ties():
+    ours = retrieval.per_query(QRELS, RUN, k_recall=100)
+    full = _reference(QRELS, RUN, {"ndcg_cut.10", "recall.100"})
+    assert set(ours) == {"q1", "q2", "q3"}  # q4 has no relevant document
+    for q in ours:
+        assert ours[q]["ndcg@10"] == pytest.approx(full[q]["ndcg_cut_10"], abs=1e-12)
+        assert ours[q]["recall@100"] == pytest.approx(full[q]["recall_100"], abs=1e-12)
+    cut = {q: dict(sorted(s.items(), key=lambda x: (x[1], x[0]), reverse=True)[:2])
+           for q, s in RUN.items()}  # MRR@2: trec_eval's recip_rank on the run cut at 2
+    reference = _reference(QRELS, cut, {"recip_rank"})
+    ours = retrieval.per_query(QRELS, RUN, k_mrr=2)
+    for q in ours:
+        assert ours[q]["mrr@2"] == pytest.approx(reference[q]["recip_rank"], abs=1e-12)
+
+
+def test_metrics_equal_trec_evals_on_random_graded_runs():
+    rng = np.random.default_rng(0)
+    docs = [f"d{i}" for i in range(60)]
+    qrels = {f"q{j}": {d: int(rng.integers(0, 3)) for d in rng.choice(docs, 8, replace=False)}
+             for j in range(30)}
+    run = {q: {d: float(np.round(rng.random(), 2)) for d in docs} for q in qrels}  # ties
+    ours = retrieval.per_query(qrels, run, k_ndcg=10, k_recall=20)
+    full = _reference(qrels, run, {"ndcg_cut.10", "recall.20"})
+    for q in ours:
+        assert ours[q]["ndcg@10"] == pytest.approx(full[q]["ndcg_cut_10"], abs=1e-12)
+        assert ours[q]["recall@20"] == pytest.approx(full[q]["recall_20"], abs=1e-12)
+    assert len(ours) >= 25
+
+
+def test_blocked_top_k_equals_the_full_sort_for_any_block_size():
+    rng = np.random.default_rng(1)
+    queries, documents = rng.normal(size=(7, 16)), rng.normal(size=(103, 16))
+    documents[50] = documents[10]  # a tie: the lower index first
+    scores = queries.astype(np.float32) @ documents.astype(np.float32).T
+    expected = np.lexsort((np.broadcast_to(np.arange(103), scores.shape), -scores), axis=1)
+    for block in (1, 7, 64, 103, 500):
+        s, i = retrieval.top_k(queries, retrieval.blocks(documents, block), k=12)
+        assert np.array_equal(i, expected[:, :12])
+        assert np.allclose(s, np.take_along_axis(scores, expected[:, :12], 1))
+    s, i = retrieval.top_k(queries, retrieval.blocks(documents[:5], 2), k=12)
+    assert i.shape == (7, 5)
+
+
+def _beir(tmp_path: Path, corpus=None, queries=None, qrels=None) -> Path:
+    d = tmp_path / "set"
+    (d / "qrels").mkdir(parents=True)
+    corpus = corpus if corpus is not None else [
+        {"_id": "d1", "title": "Paris", "text": "the capital of France"},
+        {"_id": "d2", "title": "", "text": "a river"}]
+    queries = queries if queries is not None else [{"_id": "q1", "text": "capital of france"},
+                                                   {"_id": "q2", "text": "unjudged"}]
+    (d / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in corpus))
+    (d / "queries.jsonl").write_text("".join(json.dumps(r) + "\n" for r in queries))
+    (d / "qrels" / "test.tsv").write_text(
+        qrels if qrels is not None else "query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td2\t0\n")
+    return d
+
+
+def test_a_beir_folder_reads_title_and_text_and_only_judged_queries(tmp_path):
+    s = read_beir(_beir(tmp_path))
+    assert s.documents == {"d1": "Paris the capital of France", "d2": "a river"}
+    assert s.queries == {"q1": "capital of france"}
+    assert s.qrels == {"q1": {"d1": 1, "d2": 0}}
+
+
+@pytest.mark.parametrize("case, words", [
+    ("no qrels file", "qrels/test.tsv is missing"),
+    ("empty corpus", "has no document"),
+    ("no judgement", "has no judgement"),
+    ("unknown query", "judges query 'q9'"),
+    ("unknown document", "names document 'd9'"),
+    ("no relevant", "judges no document relevant"),
+    ("bad header", "must start with the header"),
+    ("duplicate id", "repeats _id 'd1'"),
+])
+def test_a_bad_beir_folder_is_one_line_naming_the_file(tmp_path, case, words):
+    head = "query-id\tcorpus-id\tscore\n"
+    d = {
+        "no qrels file": lambda: _beir(tmp_path),
+        "empty corpus": lambda: _beir(tmp_path, corpus=[]),
+        "no judgement": lambda: _beir(tmp_path, qrels=head),
+        "unknown query": lambda: _beir(tmp_path, qrels=head + "q9\td1\t1\n"),
+        "unknown document": lambda: _beir(tmp_path, qrels=head + "q1\td9\t1\n"),
+        "no relevant": lambda: _beir(tmp_path, qrels=head + "q1\td1\t0\n"),
+        "bad header": lambda: _beir(tmp_path, qrels="q1\td1\t1\n"),
+        "duplicate id": lambda: _beir(tmp_path, corpus=[{"_id": "d1", "text": "a"},
+                                                        {"_id": "d1", "text": "b"}]),
+    }[case]()
+    if case == "no qrels file":
+        (d / "qrels" / "test.tsv").unlink()
+    with pytest.raises(ValueError, match=words) as e:
+        read_beir(d)
+    assert "\n" not in str(e.value)
+
+
+def test_bm25_ranks_first_the_document_that_shares_the_querys_words():
+    pytest.importorskip("bm25s", reason="pip install 'clozax[retrieval]'")
+    documents = {"d1": "the cat sat on the mat", "d2": "a dog in the fog",
+                 "d3": "cats and dogs and a zebra", "d4": "a zebra crossing the road"}
+    run = retrieval.bm25_run(documents, {"q1": "zebra road", "q2": "dog fog"}, k=10)
+    assert retrieval.ranked(run["q1"])[0] == "d4" and retrieval.ranked(run["q2"])[0] == "d2"
+    assert len(run["q1"]) == 4  # k past the collection: every document, once
