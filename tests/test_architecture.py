@@ -29,8 +29,8 @@ LAYERS = {
     "judge": (3, ("clozax.judge",)),
     "interop": (3, ("clozax.interop",)),
     "report": (4, ("clozax.report",)),
-    "app": (5, ("clozax.cli", "clozax.cli_finetune", "clozax.cli_judge", "clozax.cli_train",
-                "clozax.demo", "clozax.lesson", "clozax.reference")),
+    "app": (5, ("clozax.cli", "clozax.cli_embed", "clozax.cli_finetune", "clozax.cli_judge",
+                "clozax.cli_train", "clozax.demo", "clozax.lesson", "clozax.reference")),
 }
 MAX_LINES = 400
 LONG_REASON = "Longer than 400 lines because"  # what a longer module's docstring must say

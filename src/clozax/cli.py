@@ -21,6 +21,7 @@ import typer
 from typer.exceptions import TyperException
 
 from clozax import cli_judge
+from clozax.cli_embed import embed, retrieval
 from clozax.cli_finetune import finetune
 from clozax.cli_judge import evaluate, fill, probe, status
 from clozax.cli_train import train
@@ -239,7 +240,7 @@ def audit(
         raise SystemExit(1)
 
 
-for command in (status, evaluate, probe, finetune, fill):  # in --help's order
+for command in (status, evaluate, probe, finetune, embed, retrieval, fill):  # --help's order
     app.command()(command)
 
 

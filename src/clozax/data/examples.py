@@ -24,7 +24,6 @@ need an optional package (``.zst``: zstandard; arrow: pyarrow) are skipped, and 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import re
@@ -32,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from clozax.data.readers import RawDocument
+from clozax.data.split import group_key
 from clozax.data.stdlib import read_stdlib
 
 PRETRAINING_SHARE = 0.6  # of the built-in corpus's module files
@@ -79,7 +79,8 @@ def _head(text: str) -> str:
 
 
 def _share(key: str) -> float:
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest()) / 2.0**64
+    """A uniform number in [0, 1) from ``key`` (the split's keyed hash, seed 0)."""
+    return group_key(key, 0) / 2.0**64
 
 
 def _split(docs: list[RawDocument]) -> tuple[list[RawDocument], list[RawDocument]]:

@@ -35,7 +35,7 @@ def resolve_command(out: Path, o: Options, say=print) -> config_lib.RunConfig:
     _refuse_combinations(out, o)
     if o.decay_from is not None or o.step is not None:
         return _branch(out, o, say)
-    resolved = config_lib.resolve(o.config, o.preset, _overrides(o, o.steps),
+    resolved = config_lib.resolve(o.config, o.preset, _overrides(o),
                                   run_model=_run_model(out))
     if o.steps is not None and resolved.phases and o.recipe is None:
         raise ValueError(f"--steps {o.steps} cannot be combined with [[phases]]: a run in "
@@ -74,9 +74,9 @@ def _branch(out: Path, o: Options, say) -> config_lib.RunConfig:
     return resolved
 
 
-def _overrides(o: Options, steps: int | None) -> list[str]:
+def _overrides(o: Options) -> list[str]:
     overrides = list(o.set_)
-    for name, value in (("steps", steps), ("minutes", o.minutes),
+    for name, value in (("steps", o.steps), ("minutes", o.minutes),
                         ("save_every", o.save_every), ("eval_every", o.eval_every)):
         if value is not None:
             overrides.append(f"train.{name}={value}")
@@ -90,9 +90,9 @@ def _run_model(out: Path):
 
 def summary(out: Path, result) -> str:
     """The command's last line: what this invocation trained, and the held-out sample."""
-    trained = result.final_loss == result.final_loss  # not NaN: this invocation trained
-    line = (f"trained {result.steps} steps into {out}; final train loss "
-            f"{result.final_loss:.4f}" if trained else
+    at = "" if result.trained == result.steps else f" (now at step {result.steps})"
+    line = (f"trained {result.trained} steps into {out}{at}; final train loss "
+            f"{result.final_loss:.4f}" if result.trained else
             f"{out} already has its {result.steps} steps: nothing trained")
     if result.eval:
         rows = f" ({result.eval['rows']:,} rows)" if "rows" in result.eval else ""

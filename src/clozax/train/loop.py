@@ -49,10 +49,11 @@ from clozax.train.start import (
 @dataclass
 class TrainResult:
     run_dir: Path
-    steps: int
-    final_loss: float
+    steps: int  # the run's step counter at the end
+    final_loss: float  # NaN when this invocation trained nothing
     eval: dict | None
     state: TrainState
+    trained: int = 0  # updates this invocation made (0: the run had its steps already)
 
 
 def _fetch(pending: list):
@@ -219,8 +220,8 @@ def _loop(run: Run, p: _Progress, start: int, stop_after, programs: Programs,
                 close()
             except Exception:  # noqa: BLE001
                 pass
-    return TrainResult(run.run_dir, int(jax.device_get(p.state.step)), p.loss, p.last_eval,
-                       p.state)
+    final = int(jax.device_get(p.state.step))
+    return TrainResult(run.run_dir, final, p.loss, p.last_eval, p.state, trained=final - start)
 
 
 @dataclass(frozen=True)

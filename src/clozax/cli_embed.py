@@ -1,0 +1,96 @@
+"""``clozax embed`` and ``clozax retrieval``'s command lines (registered by ``clozax.cli``):
+they parse and call ``clozax.train.embed`` and ``clozax.judge.retrieval_compare``. The stage's
+options are declared once, below, and shared by both commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Opt = typer.Option
+Pairs = Annotated[str, Opt(help="Pairs: 'first-sentence' (a document's first sentence ↔ the "
+                                "rest), 'simcse' (a text twice, dropout the only noise), "
+                                "'crops' (two crops of a document) — from the run's train "
+                                "split — or a JSONL file of query/positive(/negative).")]
+Steps = Annotated[int, Opt(help="Updates of the stage (the warm-up is a tenth of them).")]
+BatchSize = Annotated[int, Opt(help="Pairs per step: the contrastive batch, gathered over "
+                                    "every device.")]
+Chunks = Annotated[int, Opt(help="Gradient-cache chunks: the encoder runs on batch/chunks "
+                                 "pairs at a time (memory), same numbers without dropout.")]
+Temperature = Annotated[float, Opt(help="InfoNCE temperature (SimCSE's 0.05).")]
+LearningRate = Annotated[float, Opt(help="AdamW's peak learning rate.")]
+Symmetric = Annotated[bool, Opt(help="Also score each positive choosing its query.")]
+Pooling = Annotated[str, Opt(help="'mean' (the real tokens' mean) or 'cls'.")]
+SeqLen = Annotated[int, Opt(help="Tokens per text, [CLS] and [SEP] included.")]
+Dropout = Annotated[float, Opt(help="Encoder dropout during the stage.")]
+Seed = Annotated[int, Opt(help="The stage's seed (pair order, dropout; retrieval's first).")]
+MaxPairs = Annotated[int | None, Opt(help="At most this many corpus pairs (a keyed "
+                                          "sample).")]
+
+
+def embed(
+    run: Annotated[Path, typer.Argument(help="Run directory (clozax train or import-hf).")],
+    out: Annotated[Path, Opt(help="The stage's run directory (new, or one to resume).")],
+    pairs: Pairs = "first-sentence",
+    steps: Steps = 200,
+    minutes: Annotated[float | None, Opt(help="Instead of --steps: as many updates as fit "
+                                              "in this many minutes (fixed once, after a "
+                                              "few timed steps).")] = None,
+    batch_size: BatchSize = 64, chunks: Chunks = 1, temperature: Temperature = 0.05,
+    learning_rate: LearningRate = 1e-4, symmetric: Symmetric = False,
+    pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,
+    max_pairs: MaxPairs = None,
+):
+    """Turn an encoder into an embedder: a contrastive stage (InfoNCE, in-batch negatives)."""
+    from clozax.train.embed import StageSettings
+    from clozax.train.embed import embed as run_stage
+
+    settings = StageSettings(pairs=pairs, steps=steps, minutes=minutes, batch_size=batch_size,
+                             chunks=chunks, temperature=temperature,
+                             learning_rate=learning_rate, symmetric=symmetric, pooling=pooling,
+                             seq_len=seq_len, dropout=dropout, seed=seed, max_pairs=max_pairs)
+    result = run_stage(run, out, settings)
+    if result["trained"]:
+        print(f"trained {result['trained']} contrastive steps into {out}; final loss "
+              f"{result['loss']:.4f} (clozax retrieval {out}: how it retrieves)")
+    else:
+        print(f"{out} already has its {result['steps']} steps: nothing trained")
+
+
+def retrieval(
+    run: Annotated[Path, typer.Argument(help="A run (clozax train, import-hf) or a stage's "
+                                             "(clozax embed).")],
+    beir: Annotated[Path | None, Opt(help="A retrieval set in BEIR's layout (corpus.jsonl, "
+                                          "queries.jsonl, qrels/SPLIT.tsv); default: the "
+                                          "held-out split's first-sentence→rest set.")] = None,
+    split: Annotated[str, Opt(help="With --beir: the qrels file's split.")] = "test",
+    seeds: Annotated[int, Opt(help="Stage seeds per encoder (the interval is over them).")] = 3,
+    max_queries: Annotated[int, Opt(help="Queries of the held-out set (a keyed sample).")]
+    = 500,
+    out: Annotated[Path | None, Opt(help="Where to write the JSON (default: "
+                                         "RUN/retrieval.json).")] = None,
+    pairs: Pairs = "first-sentence", steps: Steps = 200, batch_size: BatchSize = 64,
+    chunks: Chunks = 1, temperature: Temperature = 0.05, learning_rate: LearningRate = 1e-4,
+    symmetric: Symmetric = False, pooling: Pooling = "mean", seq_len: SeqLen = 64,
+    dropout: Dropout = 0.1, seed: Seed = 0, max_pairs: MaxPairs = None,
+):
+    """Score retrieval: BM25, the raw encoder, and random-init vs trained through the stage."""
+    from clozax.core import files
+    from clozax.judge.claims import difference_words
+    from clozax.judge.retrieval_compare import compare
+    from clozax.train.embed import StageSettings
+
+    if seeds < 1:
+        raise ValueError(f"--seeds {seeds}: give at least 1 (2 or more for an interval)")
+    settings = StageSettings(pairs=pairs, steps=steps, batch_size=batch_size, chunks=chunks,
+                             temperature=temperature, learning_rate=learning_rate,
+                             symmetric=symmetric, pooling=pooling, seq_len=seq_len,
+                             dropout=dropout, seed=seed, max_pairs=max_pairs)
+    result = compare(run, settings, seeds, beir, split, max_queries)
+    for name, d in result["differences_ndcg@10"].items():
+        print(f"nDCG@10 {name.replace('_', ' ')}: {difference_words(d)}")
+    target = out or Path(run) / "retrieval.json"
+    files.write_json(target, result)
+    print(f"wrote {target} ({result['seconds']:.0f} s)")

@@ -1,0 +1,143 @@
+"""``clozax retrieval RUN``: retrieval scored side by side, on the same queries.
+
+Rows: BM25 (``judge/retrieval.py`` ``bm25_run``); the encoder as pretrained ("raw": mean
+pooling, no stage); the random-init encoder through the contrastive stage; the trained encoder
+through the same stage — the last two once per seed (the stage's seed: its pairs' order, its
+dropout and, for the control, the initialisation), compared as a mean difference with its 95 %
+interval over seeds (``judge/claims.py`` ``seed_difference``). Given a stage's own run (``clozax
+embed``'s ``--out``), its source is the trained encoder, its settings the stage's, and the run
+itself is scored as one more row.
+
+The set: the user's in BEIR's layout (``--beir DIR``), or the held-out construction of
+``judge/retrieval_set.py``. Dense search is exact, in blocks (``top_k``), cosine similarity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clozax.data.pairs import tokenize
+from clozax.data.tokenizer import load_tokenizer
+from clozax.judge import retrieval as metrics_lib
+from clozax.judge.beir import RetrievalSet, read_beir
+from clozax.judge.claims import seed_difference
+from clozax.judge.retrieval_set import heldout_set
+from clozax.train.contrastive import make_embedder
+from clozax.train.embed import StageSettings, train_in_memory
+from clozax.train.run_dir import LoadedRun, load_run
+
+ENCODE_BATCH = 64
+DEPTH = 100  # documents ranked per query (Recall@100)
+BLOCK = 4096  # documents scored at a time
+
+
+def encode(params, model_config, run: LoadedRun, texts: list[str], seq_len: int,
+           pooling: str) -> np.ndarray:
+    """Unit-length embeddings [N, H] of ``texts`` cut to ``seq_len`` tokens; one compiled
+    program (batches padded to ``ENCODE_BATCH`` rows)."""
+    s = run.specials
+    ids = tokenize(load_tokenizer(run.tokenizer_path), texts, seq_len, s["cls"], s["sep"],
+                   s["pad"])
+    embedder = make_embedder(dataclasses.replace(model_config, dropout=0.0), pooling)
+    apply = jax.jit(lambda p, x: embedder(p, x, x != s["pad"], None))
+    out = []
+    for start in range(0, len(ids), ENCODE_BATCH):
+        block = ids[start:start + ENCODE_BATCH]
+        padded = np.pad(block, ((0, ENCODE_BATCH - len(block)), (0, 0)),
+                        constant_values=s["pad"])
+        out.append(np.asarray(apply(params, jnp.asarray(padded)))[:len(block)])
+    return np.concatenate(out)
+
+
+def dense_scores(params, model_config, run: LoadedRun, found: RetrievalSet, seq_len: int,
+                 pooling: str) -> dict[str, float]:
+    """nDCG@10, MRR@10 and Recall@100 of an encoder on ``found``."""
+    doc_ids, query_ids = list(found.documents), list(found.queries)
+    docs = encode(params, model_config, run, [found.documents[d] for d in doc_ids], seq_len,
+                  pooling)
+    queries = encode(params, model_config, run, [found.queries[q] for q in query_ids],
+                     seq_len, pooling)
+    scores, index = metrics_lib.top_k(queries, metrics_lib.blocks(docs, BLOCK), DEPTH)
+    ranking = metrics_lib.as_run(query_ids, doc_ids, scores, index)
+    return metrics_lib.mean(metrics_lib.per_query(found.qrels, ranking))
+
+
+def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | None = None,
+            split: str = "test", max_queries: int = 500, say=print) -> dict:
+    """Every row (see the module docstring) and the differences, as a JSON-ready dict."""
+    started = time.perf_counter()
+    given = load_run(run_dir)
+    stage_info = given.info.get("stage")
+    source = load_run(Path(stage_info["source_run"])) if stage_info else given
+    if stage_info:
+        settings = _recorded(stage_info, settings, given.config.train.steps)
+    found, described = _the_set(source, beir, split, max_queries)
+    say(f"retrieval set: {described['queries']:,} queries, {described['documents']:,} "
+        f"documents ({described['construction']})")
+    rows = {"bm25": metrics_lib.mean(metrics_lib.per_query(
+        found.qrels, metrics_lib.bm25_run(found.documents, found.queries, DEPTH)))}
+    say(_line("BM25", rows["bm25"]))
+    rows["raw"] = dense_scores(source.params, source.config.model, source, found,
+                               settings.seq_len, settings.pooling)
+    say(_line("raw encoder (mean pooling, no stage)", rows["raw"]))
+    if stage_info:
+        rows["this_stage"] = dense_scores(given.params, given.config.model, given, found,
+                                          settings.seq_len, settings.pooling)
+        say(_line(f"{run_dir} (this stage)", rows["this_stage"]))
+    per_seed = {"random_init_stage": [], "trained_stage": []}
+    for i in range(seeds):
+        for name, random_init in (("random_init_stage", True), ("trained_stage", False)):
+            s = dataclasses.replace(settings, seed=settings.seed + i, random_init=random_init)
+            params, _ = train_in_memory(source, s)
+            per_seed[name].append(dense_scores(params, source.config.model, source, found,
+                                               s.seq_len, s.pooling))
+            say(_line(f"{name.replace('_', ' ')} (seed {s.seed})", per_seed[name][-1]))
+    return _summary(rows, per_seed, described, settings, seeds, source, started)
+
+
+def _recorded(stage_info: dict, settings: StageSettings, steps: int) -> StageSettings:
+    """A stage run's own settings (its length as trained), the command's seeds kept."""
+    fields = {f.name for f in dataclasses.fields(StageSettings)} - {"random_init", "seed"}
+    recorded = {k: v for k, v in stage_info.items() if k in fields}
+    return dataclasses.replace(settings, **recorded, steps=steps, minutes=None,
+                               seed=stage_info.get("seed", settings.seed))
+
+
+def _the_set(run: LoadedRun, beir: Path | None, split: str, max_queries: int):
+    if beir is not None:
+        found = read_beir(beir, split)
+        return found, {"construction": f"BEIR layout {beir} ({split})",
+                       "queries": len(found.queries), "documents": len(found.documents)}
+    return heldout_set(run, max_queries=max_queries)
+
+
+def _summary(rows, per_seed, described, settings, seeds, source, started) -> dict:
+    def mean_of(results):
+        return {m: float(np.mean([r[m] for r in results])) for m in results[0]}
+
+    for name, results in per_seed.items():
+        rows[name] = {**mean_of(results), "per_seed": results}
+    ndcg = {name: [r["ndcg@10"] for r in results] for name, results in per_seed.items()}
+    trained = ndcg["trained_stage"]
+    return {
+        "set": described, "encoder": str(source.path), "step": source.step,
+        "stage": {**dataclasses.asdict(settings), "seeds": seeds}, "rows": rows,
+        "differences_ndcg@10": {
+            "trained_stage_minus_random_init_stage": seed_difference(
+                trained, ndcg["random_init_stage"]),
+            "trained_stage_minus_bm25": seed_difference(trained, rows["bm25"]["ndcg@10"]),
+            "trained_stage_minus_raw": seed_difference(trained, rows["raw"]["ndcg@10"]),
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _line(name: str, scores: dict) -> str:
+    return (f"{name}: nDCG@10 {scores['ndcg@10']:.4f}  MRR@10 {scores['mrr@10']:.4f}  "
+            f"Recall@100 {scores['recall@100']:.4f}")

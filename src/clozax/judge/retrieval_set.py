@@ -1,0 +1,54 @@
+"""The retrieval set a run is judged on when the user gives none: built from the dataset's
+*held-out* split only, so no query or document is text the encoder or a contrastive stage
+trained on (corpus pairs come from the train split).
+
+Construction ``first-sentence→rest`` (named and keyed like the frozen eval-mask set, and
+recorded with its digest): each held-out document that has a first sentence and a rest of at
+least ``MIN_WORDS`` words each (``data/pairs.py`` ``first_sentence``) puts its rest in the
+collection; a keyed sample of at most ``max_queries`` of them asks its first sentence, whose one
+relevant document (grade 1) is its own rest. Held-out documents too short to split join the
+collection whole, as distractors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from clozax.data.pairs import MIN_WORDS, document_texts, first_sentence
+from clozax.data.split import group_key
+from clozax.data.tokenizer import load_tokenizer
+from clozax.judge.beir import RetrievalSet
+from clozax.train.run_dir import LoadedRun, open_run_dataset
+
+CONSTRUCTION = "first-sentence→rest"
+MAX_QUERIES = 500
+
+
+def heldout_set(run: LoadedRun, key: int = 0, max_queries: int = MAX_QUERIES,
+                ) -> tuple[RetrievalSet, dict]:
+    """The set and its description (construction, split, key, sizes, digest)."""
+    dataset = open_run_dataset(run)
+    documents, askable = {}, []
+    for doc_id, text in document_texts(dataset, "heldout", load_tokenizer(run.tokenizer_path)):
+        pair = first_sentence(text)
+        if pair is None:
+            if len(text.split()) >= MIN_WORDS:
+                documents[doc_id] = " ".join(text.split())
+            continue
+        documents[doc_id] = pair[1]
+        askable.append((group_key(f"query:{doc_id}", key), doc_id, pair[0]))
+    askable.sort()
+    chosen = askable[:max_queries]
+    if len(chosen) < 2:
+        raise ValueError(f"dataset {dataset.path}'s held-out split has {len(chosen)} document(s) "
+                         "with a first sentence and a rest to ask; prepare a larger corpus or "
+                         "a larger --heldout-fraction, or pass --beir DIR")
+    queries = {f"q-{doc_id}": head for _, doc_id, head in chosen}
+    qrels = {f"q-{doc_id}": {doc_id: 1} for _, doc_id, _ in chosen}
+    found = RetrievalSet(documents, queries, qrels)
+    digest = hashlib.sha256(json.dumps([documents, queries, qrels], sort_keys=True,
+                                       ensure_ascii=False).encode()).hexdigest()
+    return found, {"construction": CONSTRUCTION, "split": "heldout", "key": key,
+                   "dataset": str(dataset.path), "queries": len(queries),
+                   "documents": len(documents), "sha256": digest}

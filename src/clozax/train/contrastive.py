@@ -1,0 +1,144 @@
+"""The contrastive step: InfoNCE over in-batch negatives, with gradient caching.
+
+A batch is ``B`` (query, positive) pairs, optionally with a hard negative each. Embeddings are
+pooled final hidden states (``core/pooling.py``), scaled to unit length, so a score is a cosine;
+query ``i``'s candidates are every positive of the batch (and every negative), its own positive
+the answer, at temperature ``τ``. The loss is a (sum, count): the cross-entropy summed over the
+``B`` queries (and, ``symmetric``, over the ``B`` positives choosing among the queries), divided
+once by the count.
+
+The batch is a global array over the device mesh's ``data`` axis, so the ``B × B`` score matrix
+``jit`` builds is the whole global batch's: the in-batch negatives are gathered over every
+device and process, and the global batch is the contrastive batch whatever the layout.
+
+Gradient caching (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory
+Limited Setup"; ``CachedMultipleNegativesRankingLoss``): with ``chunks`` > 1 the encoder runs on
+``B / chunks`` rows at a time — first without gradients, to get every embedding; then the loss
+and its gradient *with respect to the embeddings* over the whole batch; then each chunk again,
+its embeddings' gradient pulled back through the encoder (``jax.vjp``) and summed. The result is
+the full-batch gradient (to float rounding) with one chunk's activations in memory at a time.
+Chunk ``j`` takes rows ``j, j + chunks, ...`` so every chunk spans every device. Dropout draws a
+key per chunk and side, the same in both passes; so without dropout the chunking changes no
+number beyond rounding, and with it only which dropout masks are drawn.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clozax.core import model as model_lib
+from clozax.core.pooling import pool
+from clozax.core.train_state import TrainState
+
+SIDES = ("query", "positive", "negative")
+
+
+def info_nce(queries: jax.Array, positives: jax.Array, negatives: jax.Array | None,
+             temperature: float, symmetric: bool) -> tuple[jax.Array, jax.Array]:
+    """``(sum, count)`` of InfoNCE over unit-length embeddings ``queries``/``positives``
+    [B, H] (and ``negatives`` [B, H] or None): query ``i`` picks positive ``i`` among all
+    positives and negatives; ``symmetric`` adds positive ``i`` picking query ``i``."""
+    candidates = positives if negatives is None else jnp.concatenate([positives, negatives])
+    scores = queries @ candidates.T / temperature  # [B, B] or [B, 2B]
+    answer = jnp.arange(queries.shape[0])
+    total = optax.softmax_cross_entropy_with_integer_labels(scores, answer).sum()
+    count = queries.shape[0]
+    if symmetric:
+        back = scores[:, :queries.shape[0]].T  # [B, B]: positive i over the queries
+        total += optax.softmax_cross_entropy_with_integer_labels(back, answer).sum()
+        count *= 2
+    return total, jnp.asarray(count, jnp.int32)
+
+
+def make_embedder(model_config, pooling: str):
+    """``(params, ids [N, L], key | None) -> [N, H]`` unit-length pooled embeddings; a key
+    turns on ``model_config.dropout``. Padding is ``ids == pad`` (the mask is given)."""
+
+    def embed(params, ids, mask, key):
+        hidden = model_lib.apply(params, model_config, ids, mask, mask.astype(jnp.int32),
+                                 dropout_key=key)  # [N, L, H]
+        return pool(hidden, mask, pooling, normalize=True)
+
+    return embed
+
+
+def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetric: bool,
+                        chunks: int, pad: int):
+    """``(params, batch, key) -> (sum, count, grad_sum)``; ``batch`` holds ``query`` and
+    ``positive`` (and ``negative``) token rows [B, L]. ``chunks`` > 1: gradient caching."""
+    embed = make_embedder(model_config, pooling)
+
+    def loss_of(embeddings):  # {side: [B, H]} -> (sum, (sum, count))
+        total, count = info_nce(embeddings["query"], embeddings["positive"],
+                                embeddings.get("negative"), temperature, symmetric)
+        return total, (total, count)
+
+    def keys(key, side, chunk):
+        return None if model_config.dropout == 0 else jax.random.fold_in(
+            jax.random.fold_in(key, SIDES.index(side)), chunk)
+
+    def whole(params, batch, key):  # chunks == 1: one forward, one backward
+        def loss(p):
+            return loss_of({s: embed(p, ids, ids != pad, keys(key, s, 0))
+                            for s, ids in batch.items()})
+        grad_sum, (total, count) = jax.grad(loss, has_aux=True)(params)
+        return total, count, grad_sum
+
+    def split(x):  # [B, ...] -> [chunks, B / chunks, ...], chunk j = rows j, j + chunks, ...
+        return x.reshape(x.shape[0] // chunks, chunks, *x.shape[1:]).swapaxes(0, 1)
+
+    def unsplit(x):  # the inverse of split
+        return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+    def cached(params, batch, key):
+        parts = {s: split(ids) for s, ids in batch.items()}  # {side: [chunks, b, L]}
+        index = jnp.arange(chunks)
+
+        def first_pass(side):  # embeddings of every chunk, no gradient kept
+            return unsplit(jax.lax.map(
+                lambda a: embed(params, a[1], a[1] != pad, keys(key, side, a[0])),
+                (index, parts[side])))
+
+        embeddings = {s: jax.lax.stop_gradient(first_pass(s)) for s in parts}
+        (_, (total, count)), cotangents = jax.value_and_grad(loss_of, has_aux=True)(embeddings)
+        cotangents = {s: split(g) for s, g in cotangents.items()}
+
+        def second_pass(grad_acc, a):  # one chunk again, its embeddings' gradient pulled back
+            j, chunk_ids, chunk_cot = a
+            for side in parts:
+                ids = chunk_ids[side]
+                _, pull = jax.vjp(lambda p, ids=ids, side=side: embed(
+                    p, ids, ids != pad, keys(key, side, j)), params)
+                grad_acc = jax.tree.map(jnp.add, grad_acc, pull(chunk_cot[side])[0])
+            return grad_acc, None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grad_sum, _ = jax.lax.scan(second_pass, zeros, (index, parts, cotangents))
+        return total, count, grad_sum
+
+    return whole if chunks == 1 else cached
+
+
+def make_embed_step(model_config, optimizer, schedule, pooling: str, temperature: float,
+                    symmetric: bool, chunks: int, pad: int):
+    """The pure step ``(state, batch, key) -> (state, metrics)``: the loss's gradient divided
+    once by its count, then the optimizer's update. Dropout's key is ``fold_in(key, step)``."""
+    loss_and_grads = make_loss_and_grads(model_config, pooling, temperature, symmetric,
+                                         chunks, pad)
+
+    def step(state: TrainState, batch: dict, key):
+        total, count, grad_sum = loss_and_grads(state.params, batch,
+                                                jax.random.fold_in(key, state.step))
+        denom = count.astype(jnp.float32)
+        grads = jax.tree.map(lambda g: g / denom, grad_sum)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
+        metrics = {"loss": total / denom, "grad_norm": grad_norm,
+                   "lr": schedule(state.opt_state),
+                   "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return step

@@ -1,0 +1,339 @@
+"""``clozax embed RUN --out EMB``: the contrastive stage, as a clozax run.
+
+EMB is a run directory like any other (``config.json``, ``run.json``, ``tokenizer.json``,
+``checkpoints/``, ``metrics.jsonl``), so ``load_run``, ``clozax status``, ``clozax export
+--sentence-transformers`` and ``clozax retrieval`` read it; ``run.json``'s ``stage`` records
+the stage's settings, its source run and step, and the digest of its pairs. It is written
+under the run's lock, saves every ``save_every`` steps, stops on SIGTERM/SIGINT after saving
+the step it is at, and resumes bitwise: batch ``i`` is a pure function of ``(seed, i)`` (a
+keyed permutation of the pairs per epoch) and the dropout key is ``fold_in(key, step)``.
+
+The stage's config is a ``RunConfig``: the source's model with the stage's dropout, AdamW at
+the stage's rate (linear warm-up over the first tenth, linear decay to 0), and ``train.steps``
+/ ``batch_size`` / ``seed`` / ``microbatches`` (the gradient-cache chunks, speed only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import shutil
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from clozax.core import files
+from clozax.core.keys import Keys
+from clozax.core.optim import make_optimizer, with_total_steps
+from clozax.core.pooling import POOLINGS
+from clozax.core.train_state import TrainState, init_params, new_state
+from clozax.data import pairs as pairs_lib
+from clozax.data.tokenizer import load_tokenizer
+from clozax.train import checkpoint as ckpt
+from clozax.train import config as config_lib
+from clozax.train import distributed
+from clozax.train.checks import check_choice, check_int, check_real
+from clozax.train.contrastive import make_embed_step
+from clozax.train.interrupts import Interrupted, Interrupts
+from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
+from clozax.train.mesh import from_host, make_mesh
+from clozax.train.observe import TrainLog
+from clozax.train.run_dir import LoadedRun, load_run, lock_run, open_run_dataset, read_config
+
+TIMING_STEPS = 3  # a --minutes stage times this many steps after its first, then fixes its length
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """What a contrastive stage is; every field but ``chunks`` changes its numbers."""
+
+    pairs: str = "first-sentence"  # a kind of corpus pair (data/pairs.py) or a JSONL file
+    steps: int = 200
+    minutes: float | None = None  # if set, the length is fixed from the measured pace, once
+    batch_size: int = 64  # pairs per step: the in-batch negatives are the other 63
+    chunks: int = 1  # gradient-cache chunks (speed and memory only)
+    temperature: float = 0.05  # SimCSE's
+    learning_rate: float = 1e-4
+    symmetric: bool = False
+    pooling: str = "mean"
+    seq_len: int = 64  # tokens per text, [CLS] and [SEP] included
+    dropout: float = 0.1  # SimCSE's only noise; BERT's default
+    seed: int = 0
+    max_pairs: int | None = None  # a keyed sample of the corpus pairs
+    random_init: bool = False  # start from the source's architecture at init (the control)
+
+    def __post_init__(self):
+        check_int("steps", self.steps, 1)
+        check_int("batch_size", self.batch_size, 2)
+        check_int("chunks", self.chunks, 1)
+        check_int("seq_len", self.seq_len, 4)
+        check_int("seed", self.seed, 0, config_lib.SEED_LIMIT - 1)
+        check_real("temperature", self.temperature, 0.0, math.inf, low_open=True,
+                              high_open=True)
+        check_real("learning_rate", self.learning_rate, 0.0, math.inf,
+                              low_open=True, high_open=True)
+        check_real("dropout", self.dropout, 0.0, 1.0, high_open=True)
+        check_choice("pooling", self.pooling, POOLINGS)
+        if self.minutes is not None:
+            check_real("minutes", self.minutes, 0.0, math.inf, low_open=True,
+                                  high_open=True)
+        if self.batch_size % self.chunks:
+            raise ValueError(f"--chunks {self.chunks} does not divide --batch-size "
+                             f"{self.batch_size}; choose a divisor")
+
+    def identity(self) -> dict:
+        """The settings that make the numbers (a resume must keep them)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("chunks", "steps", "minutes")}
+
+
+@dataclass
+class Stage:
+    """What one stage trains with: the encoder's config, the token rows of its pairs and the
+    step. ``state`` is the train state on the mesh."""
+
+    config: config_lib.RunConfig
+    rows: dict  # side -> [N, L] int32
+    digest: str
+    source: str
+    step_fn: object
+    sharding: NamedSharding
+    key: jax.Array
+    settings: StageSettings
+    specials: dict
+
+
+def pair_rows(run: LoadedRun, settings: StageSettings) -> tuple[dict, str]:
+    """The stage's pairs as token rows ``{side: [N, L]}`` and where they came from; corpus
+    pairs from the run's *train* split only."""
+    tokenizer = load_tokenizer(run.tokenizer_path)
+    if settings.pairs in pairs_lib.KINDS:
+        dataset = open_run_dataset(run)
+        found = pairs_lib.corpus_pairs(
+            pairs_lib.document_texts(dataset, "train", tokenizer), settings.pairs,
+            settings.seed, f"{dataset.path} (train split)", settings.max_pairs)
+    else:
+        found = pairs_lib.read_pair_file(Path(settings.pairs))
+    if len(found) < settings.batch_size:
+        raise ValueError(f"{found.source} gives {len(found)} pairs, fewer than --batch-size "
+                         f"{settings.batch_size}; lower --batch-size or give more pairs")
+    s = run.specials
+    texts = {"query": found.queries, "positive": found.positives}
+    if found.negatives is not None:
+        texts["negative"] = found.negatives
+    rows = {side: pairs_lib.tokenize(tokenizer, t, settings.seq_len, s["cls"], s["sep"],
+                                     s["pad"]) for side, t in texts.items()}
+    return rows, found.source
+
+
+def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -> Stage:
+    """The stage's config, pairs and compiled step for ``steps`` updates."""
+    run.check_length(settings.seq_len, "--seq-len")
+    rows, source = pair_rows(run, settings)
+    digest = hashlib.sha256(b"".join(rows[s].tobytes() for s in sorted(rows))).hexdigest()
+    model = dataclasses.replace(run.config.model, dropout=settings.dropout)
+    optim = config_lib.OptimConfig(learning_rate=settings.learning_rate,
+                                   warmup_steps=max(1, math.ceil(steps / 10)),
+                                   weight_decay=0.01, b2=0.999, eps=1e-8)
+    train = config_lib.TrainConfig(steps=steps, batch_size=settings.batch_size,
+                                   seed=settings.seed, microbatches=settings.chunks,
+                                   minutes=settings.minutes, eval_rows=None, eval_sample=None)
+    config = config_lib.RunConfig(model=model, optim=optim, train=train)
+    mesh = mesh or make_mesh(None)
+    if settings.batch_size % mesh.devices.size:
+        raise ValueError(f"--batch-size {settings.batch_size} is not a multiple of the "
+                         f"{mesh.devices.size} devices; choose a multiple")
+    return Stage(config, rows, digest, source, None, NamedSharding(mesh, P("data")),
+                 Keys.from_seed(settings.seed).mask, settings, run.specials)
+
+
+def compile_step(stage: Stage, params):
+    """``stage.step_fn`` (jitted, the state donated) and the state at step 0 from ``params``."""
+    optimizer, schedule = make_optimizer(stage.config.optim, stage.config.train.steps, params)
+    s = stage.settings
+    stage.step_fn = jax.jit(make_embed_step(stage.config.model, optimizer, schedule, s.pooling,
+                                            s.temperature, s.symmetric, s.chunks,
+                                            stage.specials["pad"]), donate_argnums=0)
+    replicated = NamedSharding(stage.sharding.mesh, P())
+    params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # the step donates its own
+    return jax.device_put(new_state(params, optimizer), replicated), optimizer
+
+
+def batch_at(stage: Stage, i: int) -> dict:
+    """Batch ``i``: a keyed permutation of the pairs per epoch, the remainder of an epoch left
+    out; a pure function of ``(seed, i)``."""
+    n, b = len(stage.rows["query"]), stage.settings.batch_size
+    per_epoch = n // b
+    epoch, k = divmod(i, per_epoch)
+    order = np.random.default_rng([stage.settings.seed, epoch, 17]).permutation(n)
+    chosen = order[k * b:(k + 1) * b]
+    sides = sorted(stage.rows)  # every process holds every pair: each builds its own shards
+    return dict(zip(sides, from_host(stage.sharding, [stage.rows[s][chosen] for s in sides]),
+                    strict=True))
+
+
+def train_in_memory(run: LoadedRun, settings: StageSettings, mesh=None) -> tuple[dict, list]:
+    """The stage on ``run``'s parameters (or, ``random_init``, its architecture at init), no
+    checkpoint: ``(params, losses)``. What ``clozax retrieval`` runs per seed; the same steps
+    as ``embed``."""
+    stage = make_stage(run, settings, settings.steps, mesh)
+    state, _ = compile_step(stage, _start_params(run, settings))
+    losses = []
+    for i in range(settings.steps):
+        state, metrics = stage.step_fn(state, batch_at(stage, i), stage.key)
+        losses.append(metrics)
+    losses = [float(m["loss"]) for m in jax.device_get(losses)]
+    if not all(math.isfinite(x) for x in losses):
+        raise ValueError("the contrastive stage diverged (a non-finite loss); lower "
+                         "--learning-rate")
+    return state.params, losses
+
+
+def _start_params(run: LoadedRun, settings: StageSettings):
+    if settings.random_init:
+        return init_params(run.config.model, settings.seed)
+    return run.params
+
+
+def embed(source: Path, out: Path, settings: StageSettings, say=print,
+          stop_after: int | None = None) -> dict:
+    """The stage on run ``source`` into ``out`` (new, or resumed with the same settings);
+    returns a summary. ``stop_after``: stop (saved) after that many updates (tests)."""
+    started = time.perf_counter()
+    out = Path(out)
+    with ExitStack() as held:
+        lock_run(held, out, distributed.is_primary(), say)
+        existing = (out / CONFIG_FILE).is_file()
+        run = load_run(source)
+        saved = read_config(out)[0] if existing else None
+        stage = make_stage(run, settings, settings.steps if saved is None else
+                           saved.train.steps)
+        info = _identity(run, source, stage)
+        if existing:
+            _check_same(out, info)
+            stage.config = saved  # its length as fixed (--minutes) and recorded
+        else:
+            _write_new(out, run, stage, info)
+        with Interrupts(jax.process_count(), early_exit=True) as interrupts:
+            return _loop(out, run, stage, interrupts, stop_after, started, say)
+
+
+def _identity(run: LoadedRun, source: Path, stage: Stage) -> dict:
+    return {"source_run": str(Path(source).absolute()), "source_step": run.step,
+            "pairs_digest": stage.digest, "pairs_source": stage.source,
+            "pair_count": len(stage.rows["query"]), **stage.settings.identity()}
+
+
+def _check_same(out: Path, info: dict) -> None:
+    recorded = (files.read_json(out / RUN_FILE) or {}).get("stage")
+    if recorded is None:
+        raise ValueError(f"{out} is a clozax run but not a contrastive stage; choose a new "
+                         "--out")
+    differ = sorted(k for k in info if recorded.get(k) != info[k])
+    if differ:
+        raise ValueError(f"{out} is a stage with other settings ({', '.join(differ)} differ); "
+                         "rerun it with its own settings, or choose a new --out")
+
+
+def _write_new(out: Path, run: LoadedRun, stage: Stage, info: dict) -> None:
+    if out.exists() and any(p.name != ".lock" and not p.name.startswith(".clozax")
+                            for p in out.iterdir()):
+        raise ValueError(f"output directory {out} exists and is not a clozax run; choose a "
+                         "new --out")
+    if not distributed.is_primary():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run.tokenizer_path, out / TOKENIZER_FILE)
+    files.write_json(out / RUN_FILE, {
+        **{k: v for k, v in run.info.items() if k != "phases"},
+        "trained_length": run.trained_length, "has_mlm_head": False, "stage": info},
+        sort_keys=True)
+    files.write_json(out / CONFIG_FILE, stage.config.to_dict(), sort_keys=True)
+
+
+def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_after,
+          started: float, say) -> dict:
+    """Restore (or start), then step, log and save until the stage's length."""
+    config, s = stage.config, stage.settings
+    state, optimizer = compile_step(stage, _start_params(run, s))
+    checkpointer = ckpt.Checkpointer(out, keep=config.train.keep_checkpoints,
+                                     primary=distributed.is_primary())
+    log = TrainLog(out, enabled=distributed.is_primary())
+    restored = checkpointer.restore_latest(ckpt.abstract_like(state), say=say, set_aside=True)
+    start = 0 if restored is None else restored[2]
+    if restored is not None:
+        state = restored[0]
+        log.forget_after(start)
+    end = config.train.steps if stop_after is None else min(config.train.steps, stop_after)
+    say(f"clozax embed: {len(stage.rows['query']):,} pairs ({stage.source}), batch "
+        f"{s.batch_size} x {s.seq_len} tokens per side, {s.chunks} chunk(s), "
+        f"{jax.device_count()} device(s), steps {start}->{config.train.steps}")
+    step, loss, timing = start, math.nan, None
+    try:
+        log.start(total=config.train.steps, completed=start)
+        while step < end:
+            state, metrics = stage.step_fn(state, batch_at(stage, step), stage.key)
+            step += 1
+            if step == start + 1:
+                jax.block_until_ready(metrics)
+                interrupts.arm()
+                timing = (step, time.perf_counter())
+            if s.minutes is not None and timing and step == timing[0] + TIMING_STEPS and \
+                    config.train.minutes is not None:
+                config, state, end = _fix_length(out, config, state, timing, started, step,
+                                                 stop_after)
+                log.retotal(config.train.steps)
+            stopping = interrupts.reached(step)
+            if step % config.train.log_every == 0 or step == end or stopping:
+                loss = _record(log, jax.device_get(metrics), step, started, config)
+            if step % config.train.save_every == 0 or step == end or stopping:
+                checkpointer.save(step, state, {"stage": True})
+            if stopping:
+                checkpointer.wait()
+                raise Interrupted(interrupts.signal_name, step, out)
+        checkpointer.wait()
+    finally:
+        for close in (log.stop, checkpointer.close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
+    del optimizer
+    return {"run": str(out), "steps": step, "trained": step - start, "loss": loss,
+            "pairs": len(stage.rows["query"]), "source": stage.source}
+
+
+def _fix_length(out, config, state, timing, started, step, stop_after):
+    """A ``--minutes`` stage: its length from the pace of the timed steps, written once to
+    ``config.json`` (a resume reads it), the schedule's total set to it."""
+    jax.block_until_ready(state)
+    per_step = (time.perf_counter() - timing[1]) / (step - timing[0])
+    left = config.train.minutes * 60 - (time.perf_counter() - started)
+    steps = max(step, step + int(left / per_step))
+    config = config.replace(train=dataclasses.replace(config.train, steps=steps, minutes=None,
+                                                      budget_revisions=((step, steps),)))
+    if distributed.is_primary():
+        files.write_json(out / CONFIG_FILE, config.to_dict(), sort_keys=True)
+    state = TrainState(state.step, state.params, with_total_steps(state.opt_state, steps))
+    end = steps if stop_after is None else min(steps, stop_after)
+    return config, state, end
+
+
+def _record(log: TrainLog, metrics: dict, step: int, started: float, config) -> float:
+    if not bool(metrics["finite"]):
+        raise ValueError(f"the contrastive stage diverged at step {step} (a non-finite loss "
+                         "or gradient); nothing of it was saved — lower --learning-rate")
+    record = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+              "grad_norm": float(metrics["grad_norm"]),
+              "elapsed_s": round(time.perf_counter() - started, 2)}
+    log.metrics(record)
+    log.advance(step, record["loss"])
+    return record["loss"]

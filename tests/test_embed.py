@@ -1,0 +1,223 @@
+"""The contrastive stage (``clozax embed``) and the retrieval comparison (``clozax retrieval``):
+InfoNCE as its formula, gradient caching equal to the whole batch, one device equal to four,
+a stage run resumed bitwise, pairs from the train split only and a retrieval set from the
+held-out split only, and bad pair files refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clozax.data import pairs as pairs_lib
+from clozax.data.dataset import open_dataset
+from clozax.data.tokenizer import load_tokenizer
+from clozax.judge.retrieval_set import heldout_set
+from clozax.train.contrastive import info_nce, make_loss_and_grads
+from clozax.train.embed import StageSettings, embed, train_in_memory
+from clozax.train.run_dir import load_run
+from commands import clozax, one_line_error
+from conftest import simulated_devices
+
+STAGE = dict(steps=4, batch_size=8, seq_len=24)  # a tiny stage: 4 updates of 8 pairs
+
+
+def _reference_info_nce(q, p, n, t, symmetric):
+    """NumPy: each query's cross-entropy over [positives; negatives] at temperature t."""
+    def ce(scores):
+        scores = scores - scores.max(axis=1, keepdims=True)
+        logp = scores - np.log(np.exp(scores).sum(axis=1, keepdims=True))
+        return -np.trace(logp[:, :len(scores)])
+
+    cand = p if n is None else np.concatenate([p, n])
+    total, count = ce(q @ cand.T / t), len(q)
+    if symmetric:
+        total, count = total + ce(p @ q.T / t), 2 * len(q)
+    return total, count
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("negatives,symmetric", [(False, False), (True, False), (False, True)])
+def test_info_nce_is_the_cross_entropy_over_in_batch_candidates(negatives, symmetric):
+    rng = np.random.default_rng(0)
+    q, p, n = (rng.normal(size=(5, 3)).astype(np.float32) for _ in range(3))
+    n = n if negatives else None
+    total, count = info_nce(jnp.asarray(q), jnp.asarray(p), None if n is None else
+                            jnp.asarray(n), 0.3, symmetric)
+    want_total, want_count = _reference_info_nce(q, p, n, 0.3, symmetric)
+    assert int(count) == want_count
+    np.testing.assert_allclose(float(total), want_total, rtol=1e-5)
+
+
+def _params_and_batch(tiny_run):
+    run = load_run(tiny_run)
+    rng = np.random.default_rng(1)
+    pad = run.specials["pad"]
+    ids = rng.integers(5, run.config.model.vocab_size, size=(2, 8, 12)).astype(np.int32)
+    ids[:, :, 9:] = pad  # padding the pooling must skip
+    return run, {"query": jnp.asarray(ids[0]), "positive": jnp.asarray(ids[1])}, pad
+
+
+def test_gradient_caching_gives_the_whole_batch_loss_and_gradient(tiny_run):
+    """Four chunks of two pairs: the same (sum, count) and summed gradient as one pass over
+    the eight, to float rounding (no dropout: the chunking then changes no draw)."""
+    run, batch, pad = _params_and_batch(tiny_run)
+    model = run.config.model
+    key = jax.random.key(3)
+    whole = make_loss_and_grads(model, "mean", 0.05, True, 1, pad)(run.params, batch, key)
+    cached = make_loss_and_grads(model, "mean", 0.05, True, 4, pad)(run.params, batch, key)
+    assert int(whole[1]) == int(cached[1]) == 16
+    np.testing.assert_allclose(float(cached[0]), float(whole[0]), rtol=1e-5)
+    # The whole gradient as one vector (some tensors' gradients are ~1e-9: rounding alone)
+    a, b = (np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(g)])
+            for g in (whole[2], cached[2]))
+    assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+
+
+DEVICE_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from clozax.train.embed import StageSettings, train_in_memory
+from clozax.train.mesh import make_mesh
+from clozax.train.run_dir import load_run
+run = load_run(sys.argv[1])
+res = {}
+for n, chunks in ((1, 1), (4, 1), (4, 2)):
+    s = StageSettings(steps=3, batch_size=8, seq_len=24, dropout=0.0, chunks=chunks)
+    params, losses = train_in_memory(run, s, make_mesh(n))
+    res[f"{n}x{chunks}"] = {"losses": losses, "params": [
+        np.asarray(x).ravel()[:64].tolist() for x in jax.tree.leaves(params)]}
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+def test_one_device_four_devices_and_cached_chunks_train_the_same_stage(tiny_run):
+    """The contrastive batch is the global batch: on 4 simulated devices (the in-batch
+    negatives gathered across them), and with the gradient cache on top, three updates give
+    the one-device losses and parameters (to rounding: the summation order differs)."""
+    ran = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(tiny_run)],
+                         env=simulated_devices(4), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    res = json.loads(ran.stdout.strip().splitlines()[-1])
+    one = res["1x1"]
+    for name in ("4x1", "4x2"):
+        np.testing.assert_allclose(res[name]["losses"], one["losses"], rtol=1e-4)
+        # as one vector: a tensor the loss never reaches (the MLM head) moves by rounding only
+        a, b = (np.concatenate([np.asarray(x) for x in r["params"]]) for r in (one, res[name]))
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+
+
+def test_a_stopped_stage_resumes_to_the_same_bits_as_one_without_a_stop(tiny_run, tmp_path):
+    """Six updates straight, and three + a resume for three more: the same parameters and
+    AdamW moments bit for bit (batch i and the dropout key are functions of i); the stage's
+    run is a run: load_run reads it, its provenance names its source and its pairs."""
+    settings = StageSettings(**{**STAGE, "steps": 6}, pairs="simcse")
+    straight = embed(tiny_run, tmp_path / "straight", settings, say=lambda _: None)
+    assert straight["trained"] == 6
+    first = embed(tiny_run, tmp_path / "stopped", settings, say=lambda _: None, stop_after=3)
+    assert first["steps"] == 3
+    again = embed(tiny_run, tmp_path / "stopped", settings, say=lambda _: None)
+    assert again["trained"] == 3 and again["steps"] == 6
+    a, b = load_run(tmp_path / "straight"), load_run(tmp_path / "stopped")
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    stage = a.info["stage"]
+    assert stage["source_run"] == str(tiny_run.absolute()) and stage["pair_count"] > 8
+    assert stage["pairs_source"].endswith("(train split)") and not a.info["has_mlm_head"]
+    source = load_run(tiny_run).params["embeddings"]["word"]
+    assert not np.array_equal(np.asarray(source), np.asarray(a.params["embeddings"]["word"]))
+    # the same --out with other settings is refused, nothing trained
+    with pytest.raises(ValueError, match="temperature differ"):
+        embed(tiny_run, tmp_path / "stopped", StageSettings(**{**STAGE, "steps": 6},
+              pairs="simcse", temperature=0.1), say=lambda _: None)
+
+
+def test_the_stage_in_memory_is_the_stage_run(tiny_run, tmp_path):
+    """What clozax retrieval trains per seed is what clozax embed writes."""
+    settings = StageSettings(**STAGE)
+    embed(tiny_run, tmp_path / "emb", settings, say=lambda _: None)
+    params, losses = train_in_memory(load_run(tiny_run), settings)
+    written = load_run(tmp_path / "emb").params
+    assert len(losses) == 4 and all(np.isfinite(losses))
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(written), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_corpus_pairs_come_from_the_train_split_and_the_retrieval_set_from_the_held_out(
+        tiny_run, stdlib_data):
+    """No query or document of the retrieval set is a train-split document's text, and every
+    corpus pair kind reads the train split only; the set is keyed (same key, same digest)."""
+    dataset = open_dataset(stdlib_data)
+    tok = load_tokenizer(stdlib_data / "tokenizer.json")
+    train_texts = {t for _, t in pairs_lib.document_texts(dataset, "train", tok)}
+    heldout_ids = {i for i, _ in pairs_lib.document_texts(dataset, "heldout", tok)}
+    found, described = heldout_set(load_run(tiny_run), key=0, max_queries=50)
+    assert set(found.documents) <= heldout_ids and described["split"] == "heldout"
+    assert len(found.queries) == described["queries"] == 50
+    assert not any(d in train_texts for d in found.documents.values())
+    again, described_again = heldout_set(load_run(tiny_run), key=0, max_queries=50)
+    assert described_again["sha256"] == described["sha256"]
+    assert heldout_set(load_run(tiny_run), key=1, max_queries=50)[1]["sha256"] != \
+        described["sha256"]
+    for kind in pairs_lib.KINDS:
+        made = pairs_lib.corpus_pairs(pairs_lib.document_texts(dataset, "train", tok), kind,
+                                      0, "train", limit=200)
+        assert len(made) == 200
+        assert all(len(q.split()) >= pairs_lib.MIN_WORDS for q in made.queries)
+        if kind == "first-sentence":  # the query is where the document starts
+            assert all(not p.startswith(q) for q, p in zip(made.queries, made.positives,
+                                                            strict=True))
+
+
+@pytest.mark.parametrize("lines,expected", [
+    ([], "has 0 pair(s)"),
+    (['{"query": "a b c", "positive": "d e f"}'], "has 1 pair(s)"),
+    (['{"query": "a", "positive": "b", "negative": "c"}', '{"query": "d", "positive": "e"}'],
+     "negative on 1 of 2 lines"),
+    (['{"query": "a", "positive": ""}', '{"query": "d", "positive": "e"}'],
+     "line 1 has no non-empty string 'positive'"),
+    (["not json", '{"query": "d", "positive": "e"}'], "line 1 is not JSON"),
+])
+def test_a_bad_pair_file_is_one_line_and_nothing_is_written(capsys, tiny_run, tmp_path, lines,
+                                                            expected):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    line = one_line_error(capsys, "embed", tiny_run, "--out", tmp_path / "emb", "--pairs",
+                          path, "--steps", "2")
+    assert expected in line
+    assert not (tmp_path / "emb").exists() or not any((tmp_path / "emb").iterdir())
+
+
+def test_a_pair_file_trains_with_hard_negatives(capsys, tiny_run, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"query": f"what is item {i}", "positive": f"item {i} is a thing number {i}",
+             "negative": f"item {i + 1} is another thing"} for i in range(16)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ran = clozax(capsys, "embed", tiny_run, "--out", tmp_path / "emb", "--pairs", path,
+                 "--steps", "2", "--batch-size", "8", "--seq-len", "16")
+    assert ran.code == 0, ran.err
+    assert "trained 2 contrastive steps" in ran.out
+    assert load_run(tmp_path / "emb").info["stage"]["pair_count"] == 16
+
+
+def test_retrieval_prints_bm25_raw_and_both_stages_with_the_interval(capsys, tiny_run,
+                                                                     tmp_path):
+    out = tmp_path / "retrieval.json"
+    ran = clozax(capsys, "retrieval", tiny_run, "--seeds", "2", "--steps", "2",
+                 "--batch-size", "8", "--seq-len", "24", "--max-queries", "40", "--out", out)
+    assert ran.code == 0, ran.err
+    for row in ("BM25: nDCG@10", "raw encoder", "random init stage (seed 1)",
+                "trained stage (seed 1)", "trained stage minus random init stage"):
+        assert row in ran.out
+    result = json.loads(out.read_text())
+    assert result["set"]["construction"] == "first-sentence→rest"
+    assert len(result["rows"]["trained_stage"]["per_seed"]) == 2
+    d = result["differences_ndcg@10"]["trained_stage_minus_random_init_stage"]
+    assert d["seeds"] == [2, 2] and (d["interval"] is None or len(d["interval"]) == 2)
+    assert 0 <= result["rows"]["bm25"]["ndcg@10"] <= 1
