@@ -37,7 +37,8 @@ PAGES = (
     "how-to/demo.md", "how-to/prepare.md", "how-to/data-formats.md", "how-to/train.md",
     "how-to/recipe-and-phases.md", "how-to/evaluate.md", "how-to/export.md",
     "tutorials/own-corpus.md", "tutorials/continue-pretraining.md",
-    "tutorials/modern-long-context.md", "tutorials/finetune.md", "tutorials/several-hosts.md",
+    "tutorials/modern-long-context.md", "tutorials/finetune.md", "tutorials/retriever.md",
+    "tutorials/several-hosts.md",
     "tutorials/preemption.md", "tutorials/audit.md",
 )
 NOT_RUN = "# not run by the docs test:"

@@ -138,8 +138,9 @@ def test_a_stopped_stage_resumes_to_the_same_bits_as_one_without_a_stop(tiny_run
               pairs="simcse", temperature=0.1), say=lambda _: None)
 
 
-def test_the_stage_in_memory_is_the_stage_run(tiny_run, tmp_path):
-    """What clozax retrieval trains per seed is what clozax embed writes."""
+def test_the_stage_in_memory_is_the_stage_run(capsys, tiny_run, tmp_path):
+    """What clozax retrieval trains per seed is what clozax embed writes; the stage's run has
+    no trained MLM head, so MLM scoring of it is refused in one line."""
     settings = StageSettings(**STAGE)
     embed(tiny_run, tmp_path / "emb", settings, say=lambda _: None)
     params, losses = train_in_memory(load_run(tiny_run), settings)
@@ -147,6 +148,8 @@ def test_the_stage_in_memory_is_the_stage_run(tiny_run, tmp_path):
     assert len(losses) == 4 and all(np.isfinite(losses))
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(written), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert "is a contrastive stage (clozax embed)" in one_line_error(capsys, "evaluate",
+                                                                     tmp_path / "emb")
 
 
 def test_corpus_pairs_come_from_the_train_split_and_the_retrieval_set_from_the_held_out(
@@ -221,3 +224,69 @@ def test_retrieval_prints_bm25_raw_and_both_stages_with_the_interval(capsys, tin
     d = result["differences_ndcg@10"]["trained_stage_minus_random_init_stage"]
     assert d["seeds"] == [2, 2] and (d["interval"] is None or len(d["interval"]) == 2)
     assert 0 <= result["rows"]["bm25"]["ndcg@10"] <= 1
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_a_second_writer_is_refused_and_the_stage_resumes(
+        capsys, tiny_run, tmp_path):
+    """A stage is a clozax run: while one process writes it, a second ``clozax embed`` on the
+    same --out is refused in one line; SIGTERM saves the step it stops at and exits 143; the
+    same command resumes from that step."""
+    import signal
+    import time
+
+    out = tmp_path / "emb"
+    argv = ["embed", str(tiny_run), "--out", str(out), "--steps", "100000", "--batch-size",
+            "8", "--seq-len", "24"]
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from clozax.cli import main; "
+                             "main(sys.argv[1:])", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").is_file():  # past its first steps
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        line = one_line_error(capsys, *argv)
+        assert f"run {out} is being written by" in line, line
+        proc.send_signal(signal.SIGTERM)
+        printed, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, printed[-2000:]
+    saved = int(printed.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    assert (out / "checkpoints" / str(saved)).is_dir()
+    resumed = embed(tiny_run, out, StageSettings(steps=100000, batch_size=8, seq_len=24),
+                    say=lambda _: None, stop_after=saved + 2)
+    assert resumed["trained"] == 2 and resumed["steps"] == saved + 2
+
+
+@pytest.mark.slow
+def test_two_processes_of_two_devices_train_the_stage_of_one_process_of_four(tiny_run,
+                                                                            tmp_path):
+    """``clozax embed`` as a 2-process job (jax.distributed, gloo, 2 simulated devices each)
+    trains what one process of 4 devices trains: the contrastive batch is the global batch
+    across processes. The 1-process job runs beside it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    argv = ["--steps", "3", "--batch-size", "8", "--seq-len", "24", "--dropout", "0"]
+    script = "import sys; from clozax.cli import main; main(sys.argv[1:])"
+    jobs = [(tmp_path / "1x4", simulated_devices(4))] + [
+        (tmp_path / "2x2", {**simulated_devices(2), "CLOZAX_COORDINATOR": f"localhost:{port}",
+                            "CLOZAX_NUM_PROCESSES": "2", "CLOZAX_PROCESS_ID": str(i)})
+        for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", script, "embed", str(tiny_run), "--out",
+                               str(out), *argv], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for out, env in jobs]
+    for p in procs:
+        printed, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, printed[-3000:]
+    flat = {name: np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(
+        load_run(tmp_path / name).params)]) for name in ("1x4", "2x2")}
+    assert np.linalg.norm(flat["2x2"] - flat["1x4"]) <= 1e-5 * np.linalg.norm(flat["1x4"])
+    losses = {name: json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
+              for name in ("1x4", "2x2")}
+    assert losses["2x2"]["step"] == 3
+    assert losses["2x2"]["loss"] == pytest.approx(losses["1x4"]["loss"], rel=1e-5)

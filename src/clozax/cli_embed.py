@@ -43,7 +43,15 @@ def embed(
     pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,
     max_pairs: MaxPairs = None,
 ):
-    """Turn an encoder into an embedder: a contrastive stage (InfoNCE, in-batch negatives)."""
+    """Turn an encoder into an embedder: a contrastive stage (InfoNCE, in-batch negatives).
+
+    Several processes join one job as `clozax train`'s do, from CLOZAX_COORDINATOR,
+    CLOZAX_NUM_PROCESSES and CLOZAX_PROCESS_ID: the contrastive batch is then the batch of
+    every device of every process."""
+    from clozax.train import compile_cache, distributed
+
+    distributed.initialize()  # a multi-process job when the environment names one
+    compile_cache.enable()
     from clozax.train.embed import StageSettings
     from clozax.train.embed import embed as run_stage
 
@@ -77,9 +85,11 @@ def retrieval(
     dropout: Dropout = 0.1, seed: Seed = 0, max_pairs: MaxPairs = None,
 ):
     """Score retrieval: BM25, the raw encoder, and random-init vs trained through the stage."""
-    from clozax.core import files
+    from clozax.train import compile_cache
+
+    compile_cache.enable()
     from clozax.judge.claims import difference_words
-    from clozax.judge.retrieval_compare import compare
+    from clozax.judge.retrieval_compare import retrieval_run
     from clozax.train.embed import StageSettings
 
     if seeds < 1:
@@ -88,9 +98,7 @@ def retrieval(
                              temperature=temperature, learning_rate=learning_rate,
                              symmetric=symmetric, pooling=pooling, seq_len=seq_len,
                              dropout=dropout, seed=seed, max_pairs=max_pairs)
-    result = compare(run, settings, seeds, beir, split, max_queries)
+    result = retrieval_run(run, settings, seeds, beir, split, max_queries, out)
     for name, d in result["differences_ndcg@10"].items():
         print(f"nDCG@10 {name.replace('_', ' ')}: {difference_words(d)}")
-    target = out or Path(run) / "retrieval.json"
-    files.write_json(target, result)
-    print(f"wrote {target} ({result['seconds']:.0f} s)")
+    print(f"wrote {result['path']} ({result['seconds']:.0f} s)")

@@ -26,10 +26,12 @@ from clozax.judge import audit as audit_lib
 from clozax.judge import evaluate as evaluate_lib
 from clozax.judge import finetune as finetune_lib
 from clozax.judge import probe as probe_lib
+from clozax.judge import retrieval_compare as retrieval_lib
 from clozax.judge.claims import claims, difference_words
 from clozax.report import page as report_lib
 from clozax.train import config as config_lib
 from clozax.train import loop as train_lib
+from clozax.train.embed import StageSettings
 from clozax.train.interrupts import Interrupts
 
 # The demo's training budget: the small preset (4 layers x 256, batch 32 x 128 tokens) for
@@ -59,6 +61,11 @@ QUICK_TRAIN = ["train.batch_size=8", "train.eval_rows=32", "optim.warmup_steps=2
 # documents, tested on the held-out split's), at one learning rate (no grid: the demo's time)
 # over 3 seeds, trained and random-init.
 DEMO_FINETUNE = finetune_lib.Protocol(learning_rates=(3e-4,), seeds=3, epochs=3)
+# The retrieval stage: a short contrastive stage on the demo's encoder and on its random init,
+# 3 seeds each, on the held-out first-sentence→rest set beside BM25 (clozax retrieval).
+DEMO_STAGE, DEMO_STAGE_SEEDS, DEMO_QUERIES = StageSettings(steps=100, batch_size=32), 3, 300
+QUICK_STAGE, QUICK_STAGE_SEEDS, QUICK_QUERIES = StageSettings(steps=2, batch_size=8,
+                                                              seq_len=24), 2, 40
 QUICK_FINETUNE = finetune_lib.Protocol(learning_rates=(1e-3,), seeds=2, epochs=1, batch_size=8)
 
 
@@ -176,6 +183,15 @@ def _stages(out: Path, steps: int, preset: str, quick: bool, stop: Interrupts) -
                                           else DEMO_FINETUNE, say=say), judged=True)
     done("finetune")
 
+    stage("retrieval")
+    retrieval = _reuse_or_run(
+        run_dir / retrieval_lib.RESULT_FILE, step, say,
+        lambda: retrieval_lib.retrieval_run(
+            run_dir, QUICK_STAGE if quick else DEMO_STAGE,
+            QUICK_STAGE_SEEDS if quick else DEMO_STAGE_SEEDS,
+            max_queries=QUICK_QUERIES if quick else DEMO_QUERIES, say=say))
+    done("retrieval")
+
     stage("audit")
     batches = QUICK_AUDIT_BATCHES if quick else AUDIT_BATCHES
     audit = _reuse_or_run(run_dir / audit_lib.AUDIT_FILE, step, say,
@@ -189,6 +205,7 @@ def _stages(out: Path, steps: int, preset: str, quick: bool, stop: Interrupts) -
     stop.raise_if_requested(f"after the last stage; everything is kept in {out}")
     summary = _summary(report_path, run_dir, data_dir, step, seconds, evaluation, probe, audit)
     summary["finetune"] = _finetune_headline(finetune)
+    summary["retrieval"] = _retrieval_headline(retrieval)
     summary["peak_rss_gb"] = peak_rss_gb()
     print_summary(summary, console)
     return summary
@@ -245,6 +262,13 @@ def _finetune_headline(result: dict) -> dict:
     return out
 
 
+def _retrieval_headline(result: dict) -> dict:
+    rows = result["rows"]
+    return {"ndcg@10": {k: rows[k]["ndcg@10"] for k in ("bm25", "raw", "random_init_stage",
+                                                        "trained_stage")},
+            "differences": result["differences_ndcg@10"]}
+
+
 def print_summary(summary: dict, console) -> None:
     """The report path, the headline numbers and one line per claim."""
     ev, pr, au = summary["eval"], summary["probe"], summary["audit"]
@@ -276,6 +300,13 @@ def print_summary(summary: dict, console) -> None:
                       f"random init {spread(f['random_init'])}, TF-IDF {pct(f['tfidf'])}; "
                       "trained − random init "
                       f"{difference_words(f['trained_minus_random_init'])}")
+    if "retrieval" in summary:
+        n, d = summary["retrieval"]["ndcg@10"], summary["retrieval"]["differences"]
+        console.print(f"retrieval nDCG@10 (held-out first sentence → rest): BM25 "
+                      f"{n['bm25']:.3f}, raw {n['raw']:.3f}, random init + stage "
+                      f"{n['random_init_stage']:.3f}, trained + stage {n['trained_stage']:.3f};"
+                      " trained + stage − random init + stage "
+                      f"{difference_words(d['trained_stage_minus_random_init_stage'])}")
     console.print(f"audit: {au['pass_count']}/{au['total']} PASS"
                   + (f" ({au['skipped']} skipped)" if au["skipped"] else ""))
     for c in summary["claims"]:

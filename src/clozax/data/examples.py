@@ -15,7 +15,11 @@ on them has nothing to exclude):
   ``dev.jsonl`` / ``test.jsonl`` (the same, split by group), ``new.jsonl`` (texts to predict),
   ``pairs.csv`` (``premise``, ``hypothesis``, ``label``: same package or not), ``sts.tsv``
   (``sentence1``, ``sentence2``, ``label``: 5 × the two word sets' Jaccard similarity),
-  ``ner.conll`` (a word and a BIO tag per line: ``B-CODE`` for a word that is code).
+  ``ner.conll`` (a word and a BIO tag per line: ``B-CODE`` for a word that is code);
+  ``query_pairs.jsonl`` (``query``, ``positive``: a docstring's first sentence and the rest,
+  for ``clozax embed --pairs``) and ``beir/`` (the same construction in BEIR's layout:
+  ``corpus.jsonl``, ``queries.jsonl``, ``qrels/test.tsv``), from modules on two sides of a
+  keyed split, so the pairs hold no text of the retrieval set.
 
 They teach the commands, not the model: the labels are simple functions of the text. Files that
 need an optional package (``.zst``: zstandard; arrow: pyarrow) are skipped, and said, without it.
@@ -30,6 +34,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from clozax.data.pairs import first_sentence
 from clozax.data.readers import RawDocument
 from clozax.data.split import group_key
 from clozax.data.stdlib import read_stdlib
@@ -38,9 +43,10 @@ PRETRAINING_SHARE = 0.6  # of the built-in corpus's module files
 MAX_PRETRAINING_DOCS = 3000
 MAX_CHARS = 1500  # per example document (the first paragraphs of a long docstring)
 TASK_CLASSES, PER_CLASS = 6, 80
+QUERIES = 300  # the BEIR-layout set's queries
 NAMES = ("texts", "book.txt", "dump.jsonl", "dump.jsonl.zst", "crawl", "hf_saved_dataset",
          "labels.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "new.jsonl", "pairs.csv",
-         "sts.tsv", "ner.conll")
+         "sts.tsv", "ner.conll", "query_pairs.jsonl", "beir")
 _CODE_WORD = re.compile(r"^`*(\w+\(\)|\w+_\w+|\w+\.\w+\w)`*[.,:;]?$")
 
 
@@ -54,7 +60,8 @@ def write_examples(out: Path) -> list[tuple[str, str]]:
                          f"{', '.join(NAMES)}: give it a directory without them")
     pretraining, task = _split(_documents())
     out.mkdir(parents=True, exist_ok=True)
-    written = _pretraining_files(out, pretraining) + _task_files(out, task)
+    written = (_pretraining_files(out, pretraining) + _task_files(out, task)
+               + _retrieval_files(out, task))
     return written
 
 
@@ -175,6 +182,30 @@ def _task_files(out: Path, docs: list[RawDocument]) -> list[tuple[str, str]]:
             ("pairs.csv", f"{pairs} pairs: premise, hypothesis, label (same package or not)"),
             ("sts.tsv", f"{sts} pairs: sentence1, sentence2, label (0-5 word overlap)"),
             ("ner.conll", f"{ner} sentences, BIO tags (B-CODE: a word that is code)")]
+
+
+def _retrieval_files(out: Path, docs: list[RawDocument]) -> list[tuple[str, str]]:
+    """A pair file from half the task modules, a BEIR-layout set from the other half."""
+    split = {True: [], False: []}
+    for d in docs:
+        pair = first_sentence(d.text)
+        if pair is not None:
+            split[_share("retrieval:" + d.group) < 0.5].append((d, pair))
+    _write_jsonl(out / "query_pairs.jsonl", [{"query": q, "positive": p}
+                                             for _, (q, p) in split[True]])
+    beir, held = out / "beir", split[False]
+    (beir / "qrels").mkdir(parents=True, exist_ok=True)
+    _write_jsonl(beir / "corpus.jsonl", [{"_id": f"d{i}", "title": "", "text": p}
+                                         for i, (_, (_, p)) in enumerate(held)])
+    asked = held[:QUERIES]
+    _write_jsonl(beir / "queries.jsonl", [{"_id": f"q{i}", "text": q}
+                                          for i, (_, (q, _)) in enumerate(asked)])
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\td{i}\t1\n" for i in range(len(asked))))
+    return [("query_pairs.jsonl", f"{len(split[True])} query/positive pairs (first sentence "
+                                  "↔ the rest)"),
+            ("beir/", f"{len(asked)} queries over {len(held)} documents, BEIR's layout "
+                      "(other modules than the pairs')")]
 
 
 def _first_sentence(text: str) -> str:

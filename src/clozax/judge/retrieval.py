@@ -114,8 +114,13 @@ def bm25_run(documents: Mapping[str, str], queries: Mapping[str, str], k: int,
     family) over ``documents``, the top ``k`` of each query. ``bm25s`` is used rather than a
     home-made index: sparse scores computed once at indexing, maintained and benchmarked
     against Elasticsearch/Pyserini on BEIR by its authors."""
-    import bm25s
+    try:
+        import bm25s
+    except ImportError:
+        raise ValueError("BM25 needs bm25s: pip install 'clozax[retrieval]'") from None
+    import logging
 
+    logging.getLogger("bm25s").setLevel(logging.WARNING)  # its index logs at DEBUG
     doc_ids, query_ids = list(documents), list(queries)
     index = bm25s.BM25(method="lucene", k1=1.5, b=0.75)
     index.index(bm25s.tokenize([documents[d] for d in doc_ids], stopwords="en",

@@ -15,6 +15,7 @@ The set: the user's in BEIR's layout (``--beir DIR``), or the held-out construct
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clozax.core import files
 from clozax.data.pairs import tokenize
 from clozax.data.tokenizer import load_tokenizer
 from clozax.judge import retrieval as metrics_lib
@@ -44,8 +46,7 @@ def encode(params, model_config, run: LoadedRun, texts: list[str], seq_len: int,
     s = run.specials
     ids = tokenize(load_tokenizer(run.tokenizer_path), texts, seq_len, s["cls"], s["sep"],
                    s["pad"])
-    embedder = make_embedder(dataclasses.replace(model_config, dropout=0.0), pooling)
-    apply = jax.jit(lambda p, x: embedder(p, x, x != s["pad"], None))
+    apply = _jitted_encoder(dataclasses.replace(model_config, dropout=0.0), pooling, s["pad"])
     out = []
     for start in range(0, len(ids), ENCODE_BATCH):
         block = ids[start:start + ENCODE_BATCH]
@@ -53,6 +54,12 @@ def encode(params, model_config, run: LoadedRun, texts: list[str], seq_len: int,
                         constant_values=s["pad"])
         out.append(np.asarray(apply(params, jnp.asarray(padded)))[:len(block)])
     return np.concatenate(out)
+
+
+@functools.lru_cache(maxsize=4)
+def _jitted_encoder(model_config, pooling: str, pad: int):
+    embedder = make_embedder(model_config, pooling)
+    return jax.jit(lambda p, x: embedder(p, x, x != pad, None))
 
 
 def dense_scores(params, model_config, run: LoadedRun, found: RetrievalSet, seq_len: int,
@@ -66,6 +73,20 @@ def dense_scores(params, model_config, run: LoadedRun, found: RetrievalSet, seq_
     scores, index = metrics_lib.top_k(queries, metrics_lib.blocks(docs, BLOCK), DEPTH)
     ranking = metrics_lib.as_run(query_ids, doc_ids, scores, index)
     return metrics_lib.mean(metrics_lib.per_query(found.qrels, ranking))
+
+
+RESULT_FILE = "retrieval.json"
+
+
+def retrieval_run(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | None = None,
+                  split: str = "test", max_queries: int = 500, out: Path | None = None,
+                  say=print) -> dict:
+    """``compare``, written to ``out`` (default ``RUN/retrieval.json``, which the report
+    reads) with its path under ``"path"``."""
+    result = compare(run_dir, settings, seeds, beir, split, max_queries, say)
+    target = Path(out) if out is not None else Path(run_dir) / RESULT_FILE
+    files.write_json(target, result)
+    return {**result, "path": str(target)}
 
 
 def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | None = None,

@@ -136,6 +136,8 @@ def write_report(run_dir: Path, step: int | None = None) -> Path:
                       else history.at_step(run_dir, "eval_full", step)),
         "probe": probe and sections.probe_section(probe),
         "finetune": [sections.finetune_section(r) for r in finetuned],
+        "retrieval": (retrieval := read_json(run_dir / "retrieval.json")) and
+        sections.retrieval_section(retrieval),
         "failures": (ev is not None or cases) and {
             "shown": min(len(cases), FAILURES_SHOWN), "total": len(cases),
             "table": sections.failures_table(cases[:FAILURES_SHOWN])},

@@ -219,6 +219,33 @@ def finetune_section(result: dict) -> dict:
             "facts": facts}
 
 
+RETRIEVAL_ROWS = (("bm25", "BM25"), ("raw", "raw encoder (no stage)"),
+                  ("this_stage", "this stage's run"), ("random_init_stage", "random init + stage"),
+                  ("trained_stage", "trained + stage"))
+
+
+def retrieval_section(result: dict) -> dict:
+    """``RUN/retrieval.json`` (``clozax retrieval``): each row's nDCG@10, MRR@10 and
+    Recall@100 (a stage row: the mean over seeds and the worst seed's nDCG@10), and the
+    differences with their intervals."""
+    rows = []
+    for key, name in RETRIEVAL_ROWS:
+        r = result["rows"].get(key)
+        if r is None:
+            continue
+        worst = (f"{min(s['ndcg@10'] for s in r['per_seed']):.4f}" if "per_seed" in r else "")
+        rows.append([name, f"{r['ndcg@10']:.4f}", worst, f"{r['mrr@10']:.4f}",
+                     f"{r['recall@100']:.4f}"])
+    st, found = result["stage"], result["set"]
+    facts = (f"{found['queries']:,} queries over {found['documents']:,} documents "
+             f"({found['construction']}); stage: {st['pairs']} pairs, {st['steps']} steps of "
+             f"{st['batch_size']}, {st['seeds']} seeds")
+    facts += "".join(f"; nDCG@10 {name.replace('_', ' ')} {difference_words(d)}"
+                     for name, d in result["differences_ndcg@10"].items())
+    return {"table": Table(["encoder", "nDCG@10 (mean over seeds)", "worst seed", "MRR@10",
+                            "Recall@100"], rows, frozenset({1, 2, 3, 4})), "facts": facts}
+
+
 def panel_table(panel: list[dict]) -> Table:
     rows = [[marked(x["text"]), token_label(x["target"]), x["kind"],
              f"{x['target_probability']:.3f}", str(x["target_rank"] + 1),

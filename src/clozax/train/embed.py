@@ -16,6 +16,7 @@ the stage's rate (linear warm-up over the first tenth, linear decay to 0), and `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import shutil
@@ -31,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from clozax.core import files
+from clozax.core import model as model_lib
 from clozax.core.keys import Keys
 from clozax.core.optim import make_optimizer, with_total_steps
 from clozax.core.pooling import POOLINGS
@@ -44,7 +46,7 @@ from clozax.train.checks import check_choice, check_int, check_real
 from clozax.train.contrastive import make_embed_step
 from clozax.train.interrupts import Interrupted, Interrupts
 from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
-from clozax.train.mesh import from_host, make_mesh
+from clozax.train.mesh import from_host, make_mesh, place
 from clozax.train.observe import TrainLog
 from clozax.train.run_dir import LoadedRun, load_run, lock_run, open_run_dataset, read_config
 
@@ -157,14 +159,26 @@ def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -
 
 def compile_step(stage: Stage, params):
     """``stage.step_fn`` (jitted, the state donated) and the state at step 0 from ``params``."""
-    optimizer, schedule = make_optimizer(stage.config.optim, stage.config.train.steps, params)
     s = stage.settings
-    stage.step_fn = jax.jit(make_embed_step(stage.config.model, optimizer, schedule, s.pooling,
-                                            s.temperature, s.symmetric, s.chunks,
-                                            stage.specials["pad"]), donate_argnums=0)
+    optimizer, stage.step_fn = _jitted_step(stage.config.model, stage.config.optim,
+                                            stage.config.train.steps, s.pooling, s.temperature,
+                                            s.symmetric, s.chunks, stage.specials["pad"])
     replicated = NamedSharding(stage.sharding.mesh, P())
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # the step donates its own
-    return jax.device_put(new_state(params, optimizer), replicated), optimizer
+    state = new_state(params, optimizer)
+    return place(state, jax.tree.map(lambda _: replicated, state)), optimizer
+
+
+@functools.lru_cache(maxsize=4)
+def _jitted_step(model_config, optim, steps: int, pooling: str, temperature: float,
+                 symmetric: bool, chunks: int, pad: int):
+    """One jitted step per stage shape: ``clozax retrieval``'s seeds (and the random-init
+    control, the same program) trace and compile it once."""
+    shapes = jax.eval_shape(lambda: model_lib.init(model_config, jax.random.key(0)))
+    optimizer, schedule = make_optimizer(optim, steps, shapes)
+    return optimizer, jax.jit(make_embed_step(model_config, optimizer, schedule, pooling,
+                                              temperature, symmetric, chunks, pad),
+                              donate_argnums=0)
 
 
 def batch_at(stage: Stage, i: int) -> dict:
@@ -211,11 +225,13 @@ def embed(source: Path, out: Path, settings: StageSettings, say=print,
     out = Path(out)
     with ExitStack() as held:
         lock_run(held, out, distributed.is_primary(), say)
-        existing = (out / CONFIG_FILE).is_file()
+        # process 0 decides, so every process of a job takes the same branch
+        existing = bool(distributed.broadcast(int((out / CONFIG_FILE).is_file())))
         run = load_run(source)
         saved = read_config(out)[0] if existing else None
         stage = make_stage(run, settings, settings.steps if saved is None else
                            saved.train.steps)
+        distributed.same_everywhere(stage.digest, "set of pairs")
         info = _identity(run, source, stage)
         if existing:
             _check_same(out, info)
@@ -244,12 +260,12 @@ def _check_same(out: Path, info: dict) -> None:
 
 
 def _write_new(out: Path, run: LoadedRun, stage: Stage, info: dict) -> None:
-    if out.exists() and any(p.name != ".lock" and not p.name.startswith(".clozax")
-                            for p in out.iterdir()):
-        raise ValueError(f"output directory {out} exists and is not a clozax run; choose a "
-                         "new --out")
+    """The new stage's files, by process 0 (which alone judges the directory)."""
     if not distributed.is_primary():
         return
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {out} exists and is not a clozax run; choose a "
+                         "new --out")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(run.tokenizer_path, out / TOKENIZER_FILE)
     files.write_json(out / RUN_FILE, {
@@ -317,7 +333,7 @@ def _fix_length(out, config, state, timing, started, step, stop_after):
     jax.block_until_ready(state)
     per_step = (time.perf_counter() - timing[1]) / (step - timing[0])
     left = config.train.minutes * 60 - (time.perf_counter() - started)
-    steps = max(step, step + int(left / per_step))
+    steps = distributed.broadcast(max(step, step + int(left / per_step)))  # process 0's
     config = config.replace(train=dataclasses.replace(config.train, steps=steps, minutes=None,
                                                       budget_revisions=((step, steps),)))
     if distributed.is_primary():

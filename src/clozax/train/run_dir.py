@@ -72,6 +72,12 @@ class LoadedRun:
 
     def require_mlm_head(self, command: str) -> None:
         """Refuse MLM outputs of a run imported from a bare encoder (no trained MLM head)."""
+        if not self.info.get("has_mlm_head", True) and self.info.get("stage"):
+            raise ValueError(
+                f"run {self.path} is a contrastive stage (clozax embed): its MLM head was not "
+                f"trained with its encoder, so `{command}` would report a stale head: use "
+                f"`clozax retrieval` or `clozax probe`, or `{command}` its source run "
+                f"{self.info['stage']['source_run']}")
         if not self.info.get("has_mlm_head", True):
             raise ValueError(
                 f"run {self.path} was imported from a bare encoder (no MLM head), so `{command}` "

@@ -1,0 +1,192 @@
+"""Side by side, in one process: clozax's contrastive step against ``sentence-transformers``'
+``MultipleNegativesRankingLoss`` on the same encoder shape, batch and length.
+
+Both sides: the ``small`` preset's encoder shape (BERT layout), random token pairs of
+``--seq-len`` real tokens per side (no padding), ``--batch`` pairs a step, mean pooling, cosine
+scores at temperature 0.05 (MNRL's ``scale=20``), in-batch negatives, dropout 0.1 on the hidden
+states (clozax has no attention-probability dropout, so the BERT side gets none either), AdamW
+at 1e-4 with clipping at 1.0. After warm-up (compilation excluded), timed blocks of
+``--steps-per-block`` steps alternate between the two sides, so load from other processes hits
+both; the ratio printed is the median over block pairs of clozax pairs/s over theirs.
+
+clozax side: ``clozax.train.contrastive.make_embed_step`` (InfoNCE as a (sum, count), one
+division), jitted with the state donated — the step ``clozax embed`` runs.
+
+sentence-transformers side: ``SentenceTransformer(modules=[Transformer, Pooling("mean")])`` on
+a ``BertModel`` of the same shape (SDPA attention), ``MultipleNegativesRankingLoss(scale=20)``
+called as its trainer calls it (a list of feature dicts), ``loss.backward()``,
+``clip_grad_norm_(1.0)``, ``torch.optim.AdamW`` in the HF Trainer's two groups,
+``torch.set_num_threads(os.cpu_count())``.
+
+    .venv/bin/python benchmarks/embed_speed.py                  # ~3 min on 2 cores
+    .venv/bin/python benchmarks/embed_speed.py --batch 32 --seq-len 128 --blocks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_side import hf_adamw  # noqa: E402
+
+VOCAB, PAD, FIRST = 8192, 0, 5  # ids below FIRST are specials
+LR, TEMPERATURE, DROPOUT, CLIP = 1e-4, 0.05, 0.1, 1.0
+
+
+def pairs(index: int, batch: int, seq: int) -> np.ndarray:
+    """[2, batch, seq] int32 token ids: batch ``index`` of both sides."""
+    return np.random.default_rng([1, index]).integers(FIRST, VOCAB, (2, batch, seq),
+                                                      dtype=np.int32)
+
+
+class ClozaxSide:
+    def __init__(self, preset: str, batch: int, seq: int):
+        import jax
+
+        from clozax.core.model_config import PRESETS, ModelConfig
+        from clozax.core.optim import make_optimizer
+        from clozax.core.train_state import init_params, new_state
+        from clozax.train.config import OptimConfig
+        from clozax.train.contrastive import make_embed_step
+
+        self.jax, self.batch, self.seq = jax, batch, seq
+        model = dataclasses.replace(ModelConfig(**PRESETS[preset]), vocab_size=VOCAB,
+                                    dropout=DROPOUT)
+        params = init_params(model, 0)
+        optim = OptimConfig(learning_rate=LR, warmup_steps=0, b2=0.999, eps=1e-8,
+                            clip_norm=CLIP)
+        optimizer, schedule = make_optimizer(optim, 10**6, params)
+        self.state = new_state(params, optimizer)
+        self.step_fn = jax.jit(make_embed_step(model, optimizer, schedule, "mean", TEMPERATURE,
+                                               False, 1, PAD), donate_argnums=0)
+        self.key = jax.random.key(0)
+        self.metrics = None
+
+    def step(self, index: int) -> None:
+        q, p = pairs(index, self.batch, self.seq)
+        self.state, self.metrics = self.step_fn(self.state, {"query": q, "positive": p},
+                                                self.key)
+
+    def sync(self) -> None:
+        self.jax.block_until_ready(self.metrics)
+
+
+class STSide:
+    def __init__(self, preset: str, batch: int, seq: int, directory: Path):
+        import torch
+        from sentence_transformers import SentenceTransformer, losses, models
+        from tokenizers import Tokenizer
+        from tokenizers import models as tok_models
+        from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+        from clozax.core.model_config import PRESETS
+
+        torch.set_num_threads(os.cpu_count())
+        p = PRESETS[preset]
+        BertModel(BertConfig(
+            vocab_size=VOCAB, hidden_size=p["hidden"], num_hidden_layers=p["layers"],
+            num_attention_heads=p["heads"], intermediate_size=p["intermediate"],
+            max_position_embeddings=512, hidden_dropout_prob=DROPOUT,
+            attention_probs_dropout_prob=0.0, pad_token_id=PAD)).save_pretrained(directory)
+        vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4,
+                 **{f"w{i}": i for i in range(FIRST, VOCAB)}}
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.WordLevel(
+            vocab, unk_token="[UNK]")), pad_token="[PAD]", unk_token="[UNK]",
+            cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]").save_pretrained(directory)
+        transformer = models.Transformer(str(directory), max_seq_length=seq)
+        pooling = models.Pooling(transformer.get_embedding_dimension(), "mean")
+        self.model = SentenceTransformer(modules=[transformer, pooling], device="cpu")
+        self.model.train()
+        self.loss = losses.MultipleNegativesRankingLoss(self.model, scale=1 / TEMPERATURE)
+        self.optimizer = hf_adamw(self.model, LR, (0.9, 0.999), 1e-8, 0.01, fused=True)
+        self.torch, self.batch, self.seq = torch, batch, seq
+
+    def step(self, index: int) -> None:
+        torch = self.torch
+        q, p = (torch.from_numpy(x.astype(np.int64)) for x in pairs(index, self.batch,
+                                                                    self.seq))
+        features = [{"input_ids": x, "attention_mask": torch.ones_like(x),
+                     "token_type_ids": torch.zeros_like(x)} for x in (q, p)]
+        loss = self.loss(features, None)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def sync(self) -> None:
+        pass
+
+
+def timed(side, start: int, steps: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(start, start + steps):
+        side.step(i)
+    side.sync()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--steps-per-block", type=int, default=4)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"clozax": ClozaxSide(args.preset, args.batch, args.seq_len),
+                 "sentence-transformers": STSide(args.preset, args.batch, args.seq_len,
+                                                 Path(tmp))}
+        for side in sides.values():  # warm-up: compilation, allocator, threads
+            timed(side, 0, 2)
+        seconds = {name: [] for name in sides}
+        step = 2
+        for _ in range(args.blocks):
+            for name, side in sides.items():
+                seconds[name].append(timed(side, step, args.steps_per_block))
+            step += args.steps_per_block
+    pairs_per_block = args.batch * args.steps_per_block
+    ratios = [st / cz for cz, st in zip(seconds["clozax"], seconds["sentence-transformers"],
+                                        strict=True)]
+    result = {
+        "cpu": _cpu(), "preset": args.preset, "batch": args.batch, "seq_len": args.seq_len,
+        "pairs_per_s": {n: round(pairs_per_block / statistics.median(s), 1)
+                        for n, s in seconds.items()},
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"contrastive step, {args.preset} shape, {args.batch} pairs x {args.seq_len} tokens "
+          f"per side, on {result['cpu']}")
+    for name, rate in result["pairs_per_s"].items():
+        print(f"  {name:>22}: {rate:8.1f} pairs/s (median of {args.blocks} blocks)")
+    print(f"  clozax / sentence-transformers: {result['ratio_median']:.3f}x median "
+          f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}) over block pairs")
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()
