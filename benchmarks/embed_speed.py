@@ -51,7 +51,7 @@ def pairs(index: int, batch: int, seq: int) -> np.ndarray:
 
 
 class ClozaxSide:
-    def __init__(self, preset: str, batch: int, seq: int):
+    def __init__(self, preset: str, batch: int, seq: int, dropout: float, dtype: str):
         import jax
 
         from clozax.core.model_config import PRESETS, ModelConfig
@@ -62,7 +62,8 @@ class ClozaxSide:
 
         self.jax, self.batch, self.seq = jax, batch, seq
         model = dataclasses.replace(ModelConfig(**PRESETS[preset]), vocab_size=VOCAB,
-                                    dropout=DROPOUT)
+                                    dropout=dropout, compute_dtype="bfloat16"
+                                    if dtype == "bf16" else "float32")
         params = init_params(model, 0)
         optim = OptimConfig(learning_rate=LR, warmup_steps=0, b2=0.999, eps=1e-8,
                             clip_norm=CLIP)
@@ -83,7 +84,8 @@ class ClozaxSide:
 
 
 class STSide:
-    def __init__(self, preset: str, batch: int, seq: int, directory: Path):
+    def __init__(self, preset: str, batch: int, seq: int, directory: Path, dropout: float,
+                 dtype: str):
         import torch
         from sentence_transformers import SentenceTransformer, losses, models
         from tokenizers import Tokenizer
@@ -97,7 +99,7 @@ class STSide:
         BertModel(BertConfig(
             vocab_size=VOCAB, hidden_size=p["hidden"], num_hidden_layers=p["layers"],
             num_attention_heads=p["heads"], intermediate_size=p["intermediate"],
-            max_position_embeddings=512, hidden_dropout_prob=DROPOUT,
+            max_position_embeddings=512, hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=0.0, pad_token_id=PAD)).save_pretrained(directory)
         vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4,
                  **{f"w{i}": i for i in range(FIRST, VOCAB)}}
@@ -111,6 +113,7 @@ class STSide:
         self.loss = losses.MultipleNegativesRankingLoss(self.model, scale=1 / TEMPERATURE)
         self.optimizer = hf_adamw(self.model, LR, (0.9, 0.999), 1e-8, 0.01, fused=True)
         self.torch, self.batch, self.seq = torch, batch, seq
+        self.autocast = dtype == "bf16"  # forward and loss under autocast, as bf16=True does
 
     def step(self, index: int) -> None:
         torch = self.torch
@@ -118,7 +121,8 @@ class STSide:
                                                                     self.seq))
         features = [{"input_ids": x, "attention_mask": torch.ones_like(x),
                      "token_type_ids": torch.zeros_like(x)} for x in (q, p)]
-        loss = self.loss(features, None)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.loss(features, None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
         self.optimizer.step()
@@ -143,12 +147,16 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--steps-per-block", type=int, default=4)
+    ap.add_argument("--dropout", type=float, default=DROPOUT)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: clozax's model.compute_dtype=bfloat16 against torch.autocast")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {"clozax": ClozaxSide(args.preset, args.batch, args.seq_len),
+        sides = {"clozax": ClozaxSide(args.preset, args.batch, args.seq_len, args.dropout,
+                                      args.dtype),
                  "sentence-transformers": STSide(args.preset, args.batch, args.seq_len,
-                                                 Path(tmp))}
+                                                 Path(tmp), args.dropout, args.dtype)}
         for side in sides.values():  # warm-up: compilation, allocator, threads
             timed(side, 0, 2)
         seconds = {name: [] for name in sides}
@@ -161,7 +169,8 @@ def main() -> None:
     ratios = [st / cz for cz, st in zip(seconds["clozax"], seconds["sentence-transformers"],
                                         strict=True)]
     result = {
-        "cpu": _cpu(), "preset": args.preset, "batch": args.batch, "seq_len": args.seq_len,
+        "cpu": _cpu(), "dtype": args.dtype, "dropout": args.dropout, "preset": args.preset,
+        "batch": args.batch, "seq_len": args.seq_len,
         "pairs_per_s": {n: round(pairs_per_block / statistics.median(s), 1)
                         for n, s in seconds.items()},
         "ratio_median": round(statistics.median(ratios), 3),
@@ -170,8 +179,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"contrastive step, {args.preset} shape, {args.batch} pairs x {args.seq_len} tokens "
-          f"per side, on {result['cpu']}")
+    print(f"contrastive step, {args.preset} shape, {args.dtype}, dropout {args.dropout}, "
+          f"{args.batch} pairs x {args.seq_len} tokens per side, on {result['cpu']}")
     for name, rate in result["pairs_per_s"].items():
         print(f"  {name:>22}: {rate:8.1f} pairs/s (median of {args.blocks} blocks)")
     print(f"  clozax / sentence-transformers: {result['ratio_median']:.3f}x median "

@@ -15,6 +15,7 @@ from clozax import demo as demo_lib
 
 SECTIONS = ["Headline", "Training", "What the model predicts",
             "Held-out evaluation by corruption kind", "Downstream probe", "Fine-tuning",
+            "Retrieval",
             "Failure cases", "Audit", "Provenance"]
 
 
@@ -40,11 +41,13 @@ def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_pat
     assert "not run" not in page  # evaluate, probe and audit all ran
     for name in ("eval.json", "failures.jsonl", "probe.json", "audit.json",
                  "finetune/labels/result.json", "finetune/labels/model/model.safetensors",
+                 "retrieval.json",
                  "report/loss.png",
                  "report/accuracy.png", "report/probabilities.png"):
         assert (out / "run" / name).is_file(), name
     for line in ("held-out masked-token accuracy: trained", "probe accuracy (95 % CI): trained",
                  "fine-tuned accuracy over seeds: trained", "audit:",
+                 "retrieval nDCG@10 (held-out first sentence → rest): BM25",
                  "held-out accuracy ≥ 2× unigram",
                  "probe: trained beats random init outside the 95 % CI"):
         assert line in first.stdout, line
@@ -54,7 +57,7 @@ def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_pat
 
     second = _demo(out)  # resumable: training is complete, every stage's output is current
     assert second.returncode == 0, second.stderr[-3000:]
-    for name in ("eval.json", "probe.json", "result.json", "audit.json"):
+    for name in ("eval.json", "probe.json", "result.json", "retrieval.json", "audit.json"):
         assert f"{name} is up to date" in second.stdout
     assert "already completed 4 steps" in second.stderr + second.stdout
 

@@ -168,3 +168,14 @@ def test_the_example_task_files_hold_no_text_of_the_example_corpora(tmp_path, ca
               for name in ("train", "dev", "test")}  # by module: none on two sides
     assert not (splits["train"] & splits["dev"] or splits["train"] & splits["test"]
                 or splits["dev"] & splits["test"])
+    # the retrieval files: pairs and the BEIR-layout set from other modules, no corpus text
+    pairs = [json.loads(line) for line in (tmp_path / "query_pairs.jsonl").open()]
+    beir = tmp_path / "beir"
+    documents = {r["_id"]: r["text"] for r in map(json.loads, (beir / "corpus.jsonl").open())}
+    queries = {r["_id"]: r["text"] for r in map(json.loads, (beir / "queries.jsonl").open())}
+    qrels = [line.split("\t") for line in (beir / "qrels" / "test.tsv").read_text().splitlines()]
+    assert len(pairs) > 300 and len(queries) == 300 and len(qrels) == 301
+    assert all(q in queries and d in documents for q, d, _ in qrels[1:])
+    pair_texts = {t for r in pairs for t in (r["query"], r["positive"])}
+    assert not pair_texts & (set(documents.values()) | set(queries.values()))
+    assert not any(any(t in c for c in corpus) for t in list(queries.values())[:50])

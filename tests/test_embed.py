@@ -290,3 +290,24 @@ def test_two_processes_of_two_devices_train_the_stage_of_one_process_of_four(tin
               for name in ("1x4", "2x2")}
     assert losses["2x2"]["step"] == 3
     assert losses["2x2"]["loss"] == pytest.approx(losses["1x4"]["loss"], rel=1e-5)
+
+
+def test_a_minutes_stage_fixes_its_length_once_and_a_rerun_keeps_it(tiny_run, tmp_path):
+    """--minutes: the length is set from the pace of the timed steps, written to config.json
+    (where a resume reads it) and the schedule's total set to it; the budget is kept."""
+    import time
+
+    from clozax.train.run_dir import read_config
+
+    settings = StageSettings(**{**STAGE, "steps": 50}, minutes=0.2)
+    started = time.perf_counter()
+    first = embed(tiny_run, tmp_path / "emb", settings, say=lambda _: None)
+    took = time.perf_counter() - started
+    config = read_config(tmp_path / "emb")[0]
+    assert config.train.minutes is None and config.train.steps == first["steps"] > 4
+    assert config.train.budget_revisions == ((4, first["steps"]),)
+    assert took < 0.2 * 60 + 15  # the budget, and the final save
+    last = json.loads((tmp_path / "emb" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == first["steps"] and last["lr"] < 0.1 * settings.learning_rate  # decayed
+    again = embed(tiny_run, tmp_path / "emb", settings, say=lambda _: None)
+    assert again["trained"] == 0 and again["steps"] == first["steps"]

@@ -193,7 +193,10 @@ def _retrieval_files(out: Path, docs: list[RawDocument]) -> list[tuple[str, str]
             split[_share("retrieval:" + d.group) < 0.5].append((d, pair))
     _write_jsonl(out / "query_pairs.jsonl", [{"query": q, "positive": p}
                                              for _, (q, p) in split[True]])
-    beir, held = out / "beir", split[False]
+    # a docstring two modules share (the same text on both sides) stays with the pairs
+    seen = {_normal(t) for _, pair in split[True] for t in pair}
+    beir = out / "beir"
+    held = [(d, pair) for d, pair in split[False] if not {_normal(t) for t in pair} & seen]
     (beir / "qrels").mkdir(parents=True, exist_ok=True)
     _write_jsonl(beir / "corpus.jsonl", [{"_id": f"d{i}", "title": "", "text": p}
                                          for i, (_, (_, p)) in enumerate(held)])

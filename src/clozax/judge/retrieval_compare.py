@@ -37,6 +37,7 @@ from clozax.train.run_dir import LoadedRun, load_run
 ENCODE_BATCH = 64
 DEPTH = 100  # documents ranked per query (Recall@100)
 BLOCK = 4096  # documents scored at a time
+DOCUMENT_LENGTH = 512  # documents are cut to the run's trained length, at most this
 
 
 def encode(params, model_config, run: LoadedRun, texts: list[str], seq_len: int,
@@ -64,10 +65,12 @@ def _jitted_encoder(model_config, pooling: str, pad: int):
 
 def dense_scores(params, model_config, run: LoadedRun, found: RetrievalSet, seq_len: int,
                  pooling: str) -> dict[str, float]:
-    """nDCG@10, MRR@10 and Recall@100 of an encoder on ``found``."""
+    """nDCG@10, MRR@10 and Recall@100 of an encoder on ``found``: queries cut to ``seq_len``
+    tokens (the stage's), documents to the run's trained length (at most
+    ``DOCUMENT_LENGTH``), as BM25 reads them whole."""
     doc_ids, query_ids = list(found.documents), list(found.queries)
-    docs = encode(params, model_config, run, [found.documents[d] for d in doc_ids], seq_len,
-                  pooling)
+    docs = encode(params, model_config, run, [found.documents[d] for d in doc_ids],
+                  max(seq_len, min(run.trained_length, DOCUMENT_LENGTH)), pooling)
     queries = encode(params, model_config, run, [found.queries[q] for q in query_ids],
                      seq_len, pooling)
     scores, index = metrics_lib.top_k(queries, metrics_lib.blocks(docs, BLOCK), DEPTH)
