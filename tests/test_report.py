@@ -103,8 +103,27 @@ def full_report(tiny_run, tmp_path_factory):
     (run / "audit.json").write_text(json.dumps(AUDIT))
     (run / "finetune" / "labels").mkdir(parents=True)
     (run / "finetune" / "labels" / "result.json").write_text(json.dumps(_finetune_result()))
+    (run / "retrieval.json").write_text(json.dumps(_retrieval_result()))
     path = report_lib.write_report(run)
     return run, path.read_text(encoding="utf-8"), evaluation
+
+
+def _retrieval_result() -> dict:
+    """The shape ``clozax retrieval`` writes (judge/retrieval_compare.py ``compare``)."""
+    def scores(ndcg):
+        return {"ndcg@10": ndcg, "mrr@10": ndcg / 2, "recall@100": 0.5}
+
+    trained, control = [0.30, 0.32, 0.31], [0.20, 0.22, 0.21]
+    return {
+        "set": {"construction": "first-sentence→rest", "queries": 120, "documents": 400},
+        "stage": {"pairs": "first-sentence", "steps": 40, "batch_size": 32, "seeds": 3},
+        "rows": {"bm25": scores(0.45), "raw": scores(0.05),
+                 "random_init_stage": {**scores(0.21), "per_seed": [scores(x) for x in control]},
+                 "trained_stage": {**scores(0.31), "per_seed": [scores(x) for x in trained]}},
+        "differences_ndcg@10": {
+            "trained_stage_minus_random_init_stage": claims_lib.seed_difference(trained, control),
+            "trained_stage_minus_bm25": claims_lib.seed_difference(trained, 0.45)},
+    }
 
 
 def _section(page: str, title: str) -> str:
@@ -177,6 +196,10 @@ def test_report_with_all_inputs_fills_every_table(full_report):
     tuned = _section(page, "Fine-tuning")
     assert "0.6200 ± 0.0200" in tuned and "random-init encoder" in tuned and "TF-IDF" in tuned
     assert "pretraining overlap excluded: 0 validation / 3 test examples" in tuned
+    retrieval = _section(page, "Retrieval")
+    assert "0.4500" in retrieval and "0.3100" in retrieval and ">0.3000<" in retrieval  # worst
+    assert "120 queries over 400 documents (first-sentence→rest)" in html.unescape(retrieval)
+    assert "trained stage minus random init stage +10.0 pp" in retrieval
     table = _section(page, "Held-out evaluation by corruption kind")
     for kind in ("all selected", "mask", "random", "keep"):
         assert f">{kind}</td>" in table
