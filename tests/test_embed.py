@@ -184,8 +184,8 @@ def test_corpus_pairs_come_from_the_train_split_and_the_retrieval_set_from_the_h
     (['{"query": "a", "positive": "b", "negative": "c"}', '{"query": "d", "positive": "e"}'],
      "negative on 1 of 2 lines"),
     (['{"query": "a", "positive": ""}', '{"query": "d", "positive": "e"}'],
-     "line 1 has no non-empty string 'positive'"),
-    (["not json", '{"query": "d", "positive": "e"}'], "line 1 is not JSON"),
+     "pairs.jsonl:1 has no non-empty string 'positive'"),
+    (["not json", '{"query": "d", "positive": "e"}'], "pairs.jsonl:1 is not valid JSON"),
 ])
 def test_a_bad_pair_file_is_one_line_and_nothing_is_written(capsys, tiny_run, tmp_path, lines,
                                                             expected):

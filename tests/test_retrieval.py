@@ -109,6 +109,8 @@ def test_a_beir_folder_reads_title_and_text_and_only_judged_queries(tmp_path):
     ("no relevant", "judges no document relevant"),
     ("bad header", "must start with the header"),
     ("duplicate id", "repeats _id 'd1'"),
+    ("no id", "corpus.jsonl:1 has no _id"),
+    ("not json", "queries.jsonl:1 is not valid JSON"),
 ])
 def test_a_bad_beir_folder_is_one_line_naming_the_file(tmp_path, case, words):
     head = "query-id\tcorpus-id\tscore\n"
@@ -122,7 +124,11 @@ def test_a_bad_beir_folder_is_one_line_naming_the_file(tmp_path, case, words):
         "bad header": lambda: _beir(tmp_path, qrels="q1\td1\t1\n"),
         "duplicate id": lambda: _beir(tmp_path, corpus=[{"_id": "d1", "text": "a"},
                                                         {"_id": "d1", "text": "b"}]),
+        "no id": lambda: _beir(tmp_path, corpus=[{"text": "a"}]),
+        "not json": lambda: _beir(tmp_path),
     }[case]()
+    if case == "not json":
+        (d / "queries.jsonl").write_text("{not json\n")
     if case == "no qrels file":
         (d / "qrels" / "test.tsv").unlink()
     with pytest.raises(ValueError, match=words) as e:

@@ -175,3 +175,21 @@ def _sync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         sync_dir(Path(directory))
+
+
+def json_objects(path: Path):
+    """``(line number, object)`` of each non-blank line of a JSON-lines file; a line that is
+    not a JSON object is a ``ValueError`` naming ``path:line`` and the fix."""
+    with Path(path).open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n} is not valid JSON ({e.msg}); write one JSON "
+                                 "object per line") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n} is not a JSON object; write one object per "
+                                 "line")
+            yield n, record

@@ -18,13 +18,13 @@ dataset and the seed. Bad input is one ``ValueError`` line naming the file, the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from clozax.core import files
 from clozax.data.split import group_key
 
 KINDS = ("first-sentence", "simcse", "crops")
@@ -118,17 +118,13 @@ def read_pair_file(path: Path) -> Pairs:
         raise ValueError(f"pair file {path} does not exist; pass a JSONL file of "
                          '{"query": ..., "positive": ...} lines')
     queries, positives, negatives, missing = [], [], [], 0
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = _record(line, path, n)
-            queries.append(_text(record, "query", path, n))
-            positives.append(_text(record, "positive", path, n))
-            if record.get("negative") is None:
-                missing += 1
-            else:
-                negatives.append(_text(record, "negative", path, n))
+    for n, record in files.json_objects(path):
+        queries.append(_text(record, "query", path, n))
+        positives.append(_text(record, "positive", path, n))
+        if record.get("negative") is None:
+            missing += 1
+        else:
+            negatives.append(_text(record, "negative", path, n))
     if len(queries) < 2:
         raise ValueError(f"pair file {path} has {len(queries)} pair(s); the in-batch negatives "
                          "of a contrastive stage need at least 2 — add pairs")
@@ -138,22 +134,10 @@ def read_pair_file(path: Path) -> Pairs:
     return Pairs(queries, positives, negatives or None, f"pair file {path}")
 
 
-def _record(line: str, path: Path, n: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} line {n} is not JSON ({e.msg}); write one object per "
-                         "line") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path} line {n} is not a JSON object; write "
-                         '{"query": ..., "positive": ...}')
-    return record
-
-
 def _text(record: dict, field: str, path: Path, n: int) -> str:
     value = record.get(field)
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{path} line {n} has no non-empty string {field!r}; every line needs "
+        raise ValueError(f"{path}:{n} has no non-empty string {field!r}; every line needs "
                          "'query' and 'positive' (and 'negative' is optional)")
     return value
 

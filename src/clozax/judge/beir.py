@@ -11,9 +11,10 @@ that is not there.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from clozax.core import files
 
 
 @dataclass(frozen=True)
@@ -59,20 +60,15 @@ def read_beir(directory: Path, split: str = "test") -> RetrievalSet:
 
 def _records(path: Path):
     seen = set()
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                key = str(record["_id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path}:{number} is not a JSON object with an _id; fix or "
-                                 "remove the line") from None
-            if key in seen:
-                raise ValueError(f"{path}:{number} repeats _id {key!r}; ids must be unique")
-            seen.add(key)
-            yield key, record
+    for number, record in files.json_objects(path):
+        if "_id" not in record:
+            raise ValueError(f"{path}:{number} has no _id; every line of a BEIR file needs "
+                             "one")
+        key = str(record["_id"])
+        if key in seen:
+            raise ValueError(f"{path}:{number} repeats _id {key!r}; ids must be unique")
+        seen.add(key)
+        yield key, record
 
 
 def _qrels(path: Path) -> dict[str, dict[str, int]]:

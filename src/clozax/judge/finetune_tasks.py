@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from clozax.core import files
 from clozax.judge.finetune_heads import METRICS, default_metric
 
 KINDS = ("classification", "pair", "regression", "tokens")
@@ -110,19 +111,8 @@ def _records(path: Path):
     """(where, record dict) for every row of a table file."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n} is not valid JSON ({e.msg}); write one JSON "
-                                     "object per line") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{path}:{n} is not a JSON object; write one object per "
-                                     "line")
-                yield f"{path}:{n}", record
+        for n, record in files.json_objects(path):
+            yield f"{path}:{n}", record
     elif suffix in (".csv", ".tsv"):
         with path.open(encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")

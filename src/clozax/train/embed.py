@@ -279,7 +279,7 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
           started: float, say) -> dict:
     """Restore (or start), then step, log and save until the stage's length."""
     config, s = stage.config, stage.settings
-    state, optimizer = compile_step(stage, _start_params(run, s))
+    state, _ = compile_step(stage, _start_params(run, s))
     checkpointer = ckpt.Checkpointer(out, keep=config.train.keep_checkpoints,
                                      primary=distributed.is_primary())
     log = TrainLog(out, enabled=distributed.is_primary())
@@ -309,7 +309,7 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
                 log.retotal(config.train.steps)
             stopping = interrupts.reached(step)
             if step % config.train.log_every == 0 or step == end or stopping:
-                loss = _record(log, jax.device_get(metrics), step, started, config)
+                loss = _record(log, jax.device_get(metrics), step, started)
             if step % config.train.save_every == 0 or step == end or stopping:
                 checkpointer.save(step, state, {"stage": True})
             if stopping:
@@ -322,7 +322,6 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
                 close()
             except Exception:  # noqa: BLE001
                 pass
-    del optimizer
     return {"run": str(out), "steps": step, "trained": step - start, "loss": loss,
             "pairs": len(stage.rows["query"]), "source": stage.source}
 
@@ -343,7 +342,7 @@ def _fix_length(out, config, state, timing, started, step, stop_after):
     return config, state, end
 
 
-def _record(log: TrainLog, metrics: dict, step: int, started: float, config) -> float:
+def _record(log: TrainLog, metrics: dict, step: int, started: float) -> float:
     if not bool(metrics["finite"]):
         raise ValueError(f"the contrastive stage diverged at step {step} (a non-finite loss "
                          "or gradient); nothing of it was saved — lower --learning-rate")
