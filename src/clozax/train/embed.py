@@ -113,9 +113,27 @@ class Stage:
     specials: dict
 
 
+_LAST_ROWS: dict = {}  # the last pair rows made: a random-init control reuses its seed's
+
+
 def pair_rows(run: LoadedRun, settings: StageSettings) -> tuple[dict, str]:
     """The stage's pairs as token rows ``{side: [N, L]}`` and where they came from; corpus
-    pairs from the run's *train* split only."""
+    pairs from the run's *train* split only. ``clozax retrieval`` asks for the same pairs
+    twice per seed (the trained encoder and its control): the second time they are not
+    decoded and tokenized again."""
+    key = (str(run.path.absolute()), run.step, settings.pairs, settings.seed,
+           settings.max_pairs, settings.seq_len)
+    if key not in _LAST_ROWS or settings.pairs not in pairs_lib.KINDS:  # a file may change
+        _LAST_ROWS.clear()
+        _LAST_ROWS[key] = _make_pair_rows(run, settings)
+    rows, source = _LAST_ROWS[key]
+    if len(rows["query"]) < settings.batch_size:
+        raise ValueError(f"{source} gives {len(rows['query'])} pairs, fewer than --batch-size "
+                         f"{settings.batch_size}; lower --batch-size or give more pairs")
+    return rows, source
+
+
+def _make_pair_rows(run: LoadedRun, settings: StageSettings) -> tuple[dict, str]:
     tokenizer = load_tokenizer(run.tokenizer_path)
     if settings.pairs in pairs_lib.KINDS:
         dataset = open_run_dataset(run)
@@ -124,9 +142,6 @@ def pair_rows(run: LoadedRun, settings: StageSettings) -> tuple[dict, str]:
             settings.seed, f"{dataset.path} (train split)", settings.max_pairs)
     else:
         found = pairs_lib.read_pair_file(Path(settings.pairs))
-    if len(found) < settings.batch_size:
-        raise ValueError(f"{found.source} gives {len(found)} pairs, fewer than --batch-size "
-                         f"{settings.batch_size}; lower --batch-size or give more pairs")
     s = run.specials
     texts = {"query": found.queries, "positive": found.positives}
     if found.negatives is not None:
