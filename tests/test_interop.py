@@ -220,6 +220,10 @@ def test_bare_encoder_imports_for_probe_without_mlm_head(dataset, tmp_path):
 
     with pytest.raises(ValueError, match="bare encoder"):
         fill(run.path, "a [MASK] here")
+    # continued pretraining from it says that its MLM head starts fresh
+    from clozax.train.run_dir import init_head
+
+    assert "the MLM head starts fresh" in init_head(run)
 
 
 def test_vocab_txt_only_directory_gets_a_wordpiece_tokenizer(tmp_path):

@@ -208,6 +208,25 @@ def test_the_modernbert_recipe_scales_its_phases_to_the_run():
         apply_recipe("modernbert", cfg)
 
 
+def test_the_budget_recipe_masks_40_percent_in_two_microbatches_and_keeps_the_rest(tmp_path):
+    from clozax.train.command import Options, resolve_command
+
+    base = config_lib.resolve(preset="tiny", overrides=[
+        "train.steps=100", "train.batch_size=32", "optim.learning_rate=5e-4"])
+    cfg = apply_recipe("budget", base)
+    assert cfg.masking.rate == 0.4 and cfg.masking.rate_end is None
+    assert cfg.train.microbatches == 2 and cfg.train.steps == 100
+    assert cfg.optim == base.optim and cfg.model == base.model and not cfg.phases
+    # as `clozax train --recipe budget` resolves it, --set and --minutes kept
+    resolved = resolve_command(tmp_path / "run", Options(
+        minutes=8.0, preset="tiny", set_=("optim.learning_rate=5e-4",), recipe="budget"))
+    assert resolved.masking.rate == 0.4 and resolved.optim.learning_rate == 5e-4
+    assert resolved.train.minutes == 8.0 and resolved.train.microbatches == 2
+    with pytest.raises(ValueError, match="microbatches"):
+        apply_recipe("budget", config_lib.resolve(preset="tiny",
+                                                  overrides=["train.batch_size=7"]))
+
+
 # --------------------------------------------------------------------------- a run
 
 

@@ -219,8 +219,12 @@ def test_an_init_from_run_resumes_with_the_same_command(tiny_run, stdlib_data, t
                "--init-from", str(tiny_run), "--steps", "2", "--set", "train.batch_size=8",
                "--set", "train.eval_rows=16", "--set", "optim.warmup_steps=1"]
     main(command)
-    first = capsys.readouterr().out
-    assert "trained 2 steps" in first
+    first = capsys.readouterr()
+    assert "trained 2 steps" in first.out
+    # it says, and records, which MLM head it trains: the source's (a bare import: fresh)
+    assert "starting from its encoder and its MLM head" in " ".join((first.out + first.err).split())
+    assert json.loads((tmp_path / "continued" / "run.json").read_text())["init_mlm_head"] == \
+        "source"
     main(command)  # the same command again: the run's own model section, so it resumes
     assert "already has its 2 steps: nothing trained" in " ".join(capsys.readouterr().out.split())
     assert load_run(tmp_path / "continued").config.model.hidden == 32

@@ -50,8 +50,10 @@ def train(
              "over --steps updates (optimizer state kept).")] = None,
     step: Annotated[int | None, typer.Option(help="With --decay-from: the checkpoint.")] = None,
     recipe: Annotated[str | None, typer.Option(
-        help="A published recipe, scaled to --steps: modernbert (StableAdamW, 30 % masking, "
-             "batch ramp, warmup-stable-1-sqrt-decay in two phases).")] = None,
+        help="A recipe by name: modernbert (published; scaled to --steps: StableAdamW, 30 % "
+             "masking, batch ramp, warmup-stable-1-sqrt-decay in two phases) or budget (what "
+             "measured to pay in minutes on a CPU: 40 % masking, two microbatches; use it with "
+             "--minutes).")] = None,
     coordinator: Annotated[str | None, typer.Option(
         help="Multi-process job: process 0's HOST:PORT (also CLOZAX_COORDINATOR).")] = None,
     num_processes: Annotated[int | None, typer.Option(

@@ -189,10 +189,21 @@ def resolve_run(run_dir: Path, config: config_lib.RunConfig, dataset, init_from:
                 f"{init_from}/tokenizer.json`"
             )
         config = replace(config, model=init_run.config.model)
+        say(f"--init-from {init_from}: {init_head(init_run)}")
     if runnable_here(config.model) != config.model:
         raise ValueError(f"model.attention={config.model.attention!r} needs an NVIDIA GPU "
                          f"(this machine runs {jax.default_backend()}); use 'auto'")
     return config, existing, extending, init_run, info
+
+
+def init_head(init_run: LoadedRun) -> str:
+    """Which MLM head a run started ``--init-from`` ``init_run`` trains: the source's, or, for a
+    bare encoder imported without one, the fresh head ``clozax import-hf`` wrote (identity
+    transform, zero bias, over the tied word embeddings)."""
+    if init_run.info.get("has_mlm_head", True):
+        return "starting from its encoder and its MLM head"
+    return ("starting from its encoder; the MLM head starts fresh (the source has none: "
+            "identity transform and zero bias over the tied word embeddings)")
 
 
 def read_config(run_dir: Path) -> tuple[config_lib.RunConfig, dict]:
