@@ -58,6 +58,9 @@ CANDIDATES = {
                         preset="modern-small"),
     "modern-lr3e-3": Candidate("modern, peak 3e-3", preset="modern-small",
                                sets=("optim.learning_rate=3e-3",)),
+    "modern-init": Candidate("modern, ModernBERT's initialisation (truncated normals, output "
+                             "projections scaled by 1/sqrt(2 x layers))", preset="modern-small",
+                             sets=('model.init="modernbert"',)),
 }
 DATA = {"corpus": "stdlib", "vocab_size": 8192, "heldout_fraction": 0.05, "seed": 0}
 

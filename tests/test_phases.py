@@ -227,6 +227,24 @@ def test_the_budget_recipe_masks_40_percent_in_two_microbatches_and_keeps_the_re
                                                   overrides=["train.batch_size=7"]))
 
 
+def test_every_budget_sweep_candidate_resolves_to_a_valid_config(tmp_path, monkeypatch):
+    """benchmarks/budget.py's candidates as `clozax train` resolves them: a typo in one fails
+    here, not after another candidate's 8 minutes of pretraining."""
+    from clozax.train.command import Options, resolve_command
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    budget = pytest.importorskip("budget")
+    for name, c in budget.CANDIDATES.items():
+        cfg = resolve_command(tmp_path / name, Options(minutes=8.0, preset=c.preset,
+                                                       set_=c.sets, recipe=c.recipe))
+        assert cfg.train.minutes == 8.0, name
+        assert cfg.masking.rate == (0.4 if c.recipe == "budget" else
+                                    config_lib.resolve(preset=c.preset).masking.rate), name
+    assert resolve_command(tmp_path / "init", Options(
+        preset="modern-small", set_=budget.CANDIDATES["modern-init"].sets)).model.init == \
+        "modernbert"
+
+
 # --------------------------------------------------------------------------- a run
 
 
