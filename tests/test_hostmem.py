@@ -61,8 +61,17 @@ def _probe(**env) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
 def test_importing_clozax_keeps_the_train_steps_scratch_mapped_between_steps():
-    kept = _probe()
     default = _probe(CLOZAX_HOST_MALLOC="default")
+    # Faults come from this process's allocator and also from outside it: beside the other
+    # test worker the kept setting measured 31,511 faults a step once (a clean-clone run,
+    # 2026-12-03) where it measures 0 alone (3 of 3), most likely the kernel reclaiming pages
+    # between slowed steps. Outside faults only add, so the fewest of up to three probes is the
+    # allocator's own figure; a broken setting faults on every probe.
+    kept = _probe()
+    for _ in range(2):
+        if kept["faults_per_step"] < 1_000:
+            break
+        kept = min(kept, _probe(), key=lambda r: r["faults_per_step"])
     assert kept["applied"] and not default["applied"]
     # glibc's default maps and unmaps the scratch every step (~90,000 faults of 4 KiB);
     # with clozax.hostmem it stays mapped.
