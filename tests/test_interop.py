@@ -209,7 +209,7 @@ def test_export_then_import_gives_back_the_same_parameters(layer_norm, exported,
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_bare_encoder_imports_for_probe_without_mlm_head(dataset, tmp_path):
+def test_bare_encoder_imports_for_probe_without_mlm_head(dataset, tiny_data, tmp_path):
     hf = _save_hf(_hf_model("post", dataset.vocab_size, dataset.specials["pad"], with_head=False),
                   tmp_path / "hf", dataset.tokenizer_path)
     run = load_run(interop.import_hf(hf, tmp_path / "run"))
@@ -220,10 +220,17 @@ def test_bare_encoder_imports_for_probe_without_mlm_head(dataset, tmp_path):
 
     with pytest.raises(ValueError, match="bare encoder"):
         fill(run.path, "a [MASK] here")
-    # continued pretraining from it says that its MLM head starts fresh
+    # continued pretraining from it says, and records, that its MLM head starts fresh
+    from clozax.train import config as config_lib
+    from clozax.train import loop as train_lib
     from clozax.train.run_dir import init_head
 
     assert "the MLM head starts fresh" in init_head(run)
+    cfg = config_lib.resolve(preset="tiny", overrides=[
+        "train.steps=1", "train.batch_size=4", "train.eval_rows=8", "optim.warmup_steps=0"])
+    train_lib.train(tiny_data, tmp_path / "continued", cfg, init_from=run.path)
+    assert json.loads((tmp_path / "continued" / "run.json").read_text())["init_mlm_head"] == \
+        "fresh"
 
 
 def test_vocab_txt_only_directory_gets_a_wordpiece_tokenizer(tmp_path):

@@ -38,7 +38,7 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None,
     if not run.tokenizer_path.is_file():
         raise ValueError(f"run {run_dir} has no tokenizer.json; it is damaged, re-train or "
                          "re-import it")
-    with_head = bool(run.info.get("has_mlm_head", True))
+    with_head = run.has_mlm_head
     specials = run.specials
     tokens = special_tokens(run.tokenizer_path, specials)
     length = run.trained_length

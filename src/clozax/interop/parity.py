@@ -26,7 +26,7 @@ def hf_parity(run_dir: Path, hf_dir: Path, texts: list[str]) -> float:
     c = run.config.model
     run.check_length(ids.shape[1], "the longest text")
     segments = mask.astype(np.int32)  # one document per row
-    with_head = bool(run.info.get("has_mlm_head", True))
+    with_head = run.has_mlm_head
     auto = transformers.AutoModelForMaskedLM if with_head else transformers.AutoModel
     hf = auto.from_pretrained(str(hf_dir)).eval()
     with torch.no_grad():

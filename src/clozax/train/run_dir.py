@@ -50,6 +50,12 @@ class LoadedRun:
         return {k: int(v) for k, v in self.info["specials"].items()}
 
     @property
+    def has_mlm_head(self) -> bool:
+        """Whether the run's MLM head was trained with its encoder: false for a bare encoder
+        imported without one (``clozax import-hf``) and for a contrastive stage."""
+        return bool(self.info.get("has_mlm_head", True))
+
+    @property
     def trained_length(self) -> int:
         """The longest row the run has trained on: positions past it were never trained (for
         learned positions, their table rows are still initial noise). A run records it in
@@ -72,13 +78,13 @@ class LoadedRun:
 
     def require_mlm_head(self, command: str) -> None:
         """Refuse MLM outputs of a run imported from a bare encoder (no trained MLM head)."""
-        if not self.info.get("has_mlm_head", True) and self.info.get("stage"):
+        if not self.has_mlm_head and self.info.get("stage"):
             raise ValueError(
                 f"run {self.path} is a contrastive stage (clozax embed): its MLM head was not "
                 f"trained with its encoder, so `{command}` would report a stale head: use "
                 f"`clozax retrieval` or `clozax probe`, or `{command}` its source run "
                 f"{self.info['stage']['source_run']}")
-        if not self.info.get("has_mlm_head", True):
+        if not self.has_mlm_head:
             raise ValueError(
                 f"run {self.path} was imported from a bare encoder (no MLM head), so `{command}` "
                 "would report an untrained head: use `clozax probe`, or learn a head first with "
@@ -196,11 +202,17 @@ def resolve_run(run_dir: Path, config: config_lib.RunConfig, dataset, init_from:
     return config, existing, extending, init_run, info
 
 
+def init_mlm_head(init_run: LoadedRun) -> str:
+    """Which MLM head a run started ``--init-from`` ``init_run`` trains (``run.json``'s
+    ``init_mlm_head``): ``"source"``, or ``"fresh"`` for a bare encoder imported without one
+    (the head ``clozax import-hf`` wrote: identity transform, zero bias, over the tied word
+    embeddings)."""
+    return "source" if init_run.has_mlm_head else "fresh"
+
+
 def init_head(init_run: LoadedRun) -> str:
-    """Which MLM head a run started ``--init-from`` ``init_run`` trains: the source's, or, for a
-    bare encoder imported without one, the fresh head ``clozax import-hf`` wrote (identity
-    transform, zero bias, over the tied word embeddings)."""
-    if init_run.info.get("has_mlm_head", True):
+    """What a run started ``--init-from`` ``init_run`` says it starts from (``init_mlm_head``)."""
+    if init_mlm_head(init_run) == "source":
         return "starting from its encoder and its MLM head"
     return ("starting from its encoder; the MLM head starts fresh (the source has none: "
             "identity transform and zero bias over the tied word embeddings)")

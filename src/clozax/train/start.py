@@ -37,6 +37,7 @@ from clozax.train.run_dir import (
     RUN_FILE,
     TOKENIZER_FILE,
     LoadedRun,
+    init_mlm_head,
     resolve_run,
     write_run_files,
 )
@@ -165,8 +166,7 @@ def write_run(run: Run, config: RunConfig, init_from, evaluator: Evaluator, buil
             "seed": config.train.seed,
             "eval_seed": config.train.eval_seed,
             "init_from": str(Path(init_from).absolute()) if init_from else None,
-            **({"init_mlm_head": "source" if init_run.info.get("has_mlm_head", True)
-                else "fresh"} if init_run else {}),
+            **({"init_mlm_head": init_mlm_head(init_run)} if init_run else {}),
             **({"phases": run.phase_records,
                 "source_trained_length": init_run.trained_length if init_run else 0}
                if run.plan.phased else {}),
