@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import jax
@@ -279,6 +280,43 @@ def test_a_rerun_trains_only_new_jobs_and_model_is_always_the_job_result_names(
                             say=lambda _: None, progress=False)
     assert all(t[2] is not None for t in trained) and len(trained) <= 1
     names_its_model(other)
+
+
+def test_the_selected_model_is_its_job_kept_not_trained_again_even_across_a_crash(
+        tiny_run_copy, task_files, monkeypatch):
+    real, trained = jobs_lib.run_job, []
+
+    def crashing_third(*args, **kwargs):
+        trained.append((args[3], args[4], kwargs.get("until_epoch")))
+        if len(trained) == 3:
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jobs_lib, "run_job", crashing_third)
+    spec = ft.TaskSpec(train=task_files["classification"], name="kept")
+    grid = ft.Protocol(learning_rates=(1e-3, 3e-3), seeds=2, epochs=2, batch_size=16,
+                       control=False)
+    with pytest.raises(RuntimeError, match="killed"):  # after two jobs committed
+        ft.finetune_run(tiny_run_copy, spec, grid, say=lambda _: None, progress=False)
+    out = tiny_run_copy / "finetune" / "kept"
+    monkeypatch.setattr(jobs_lib, "run_job", lambda *a, **k: trained.append(
+        (a[3], a[4], k.get("until_epoch"))) or real(*a, **k))
+    trained.clear()
+    ft.finetune_run(tiny_run_copy, spec, grid, say=lambda _: None, progress=False)
+    # the two jobs left ran, and model/ came from the kept candidate: no job re-run for it
+    assert trained == [(3e-3, 0, None), (3e-3, 1, None)]
+    jobs_dir = next((out / "jobs").iterdir())
+    assert not list(jobs_dir.glob("model-lr*"))  # the rate not selected: deleted
+    kept = (out / "model" / finetuned.WEIGHTS_FILE).read_bytes()
+    meta = json.loads((out / "model" / finetuned.META_FILE).read_text())
+    # the same model as re-running the selected job to its kept epoch writes, bit for bit
+    shutil.rmtree(out / "model")
+    trained.clear()
+    result = ft.finetune_run(tiny_run_copy, spec, grid, say=lambda _: None, progress=False)
+    assert trained == [(meta["learning_rate"], meta["seed"], meta["job"]["epoch"])]
+    assert (out / "model" / finetuned.WEIGHTS_FILE).read_bytes() == kept
+    assert json.loads((out / "model" / finetuned.META_FILE).read_text()) == meta
+    assert result["model"] == meta["job"]
 
 
 def test_entity_f1_follows_seqeval():

@@ -350,6 +350,40 @@ def test_minutes_fixes_the_step_count_once_and_records_it(stdlib_data, tmp_path)
     assert saved["train"]["steps"] == result.steps >= 1
 
 
+@pytest.mark.parametrize("spent_before", [0.0, 100.0])
+def test_minutes_times_steps_unless_start_up_has_spent_the_budget(spent_before, tmp_path):
+    """The probe times steps, an evaluation and a save within the budget; when start-up and
+    compiling have spent it already, the run is one step and nothing more is timed."""
+    import time
+    from types import SimpleNamespace
+
+    from clozax.train.budget import TIMED_STEPS, WARMUP_STEPS, steps_for_budget
+
+    calls, said = [], []
+
+    def step_fn(state, batch, key):
+        calls.append("step")
+        return state, jnp.float32(1.0)
+
+    def evaluate(params, masks, sample):
+        calls.append("evaluate")
+
+    state = TrainState(step=jnp.int32(0), params={"w": jnp.ones(4)},
+                       opt_state={"m": jnp.zeros(4)})
+    config = SimpleNamespace(train=SimpleNamespace(minutes=1.0, eval_sample=8, eval_seed=0,
+                                                   eval_every=100, save_every=100))
+    masks = SimpleNamespace(rows=np.arange(16))
+    steps = steps_for_budget(config, time.perf_counter() - spent_before, state, step_fn,
+                             lambda i: None, None, evaluate, masks, tmp_path / "run",
+                             said.append)
+    if spent_before:
+        assert steps == 1 and calls == ["step"]  # the compiling call only
+        assert "spent before the first step" in said[0]
+    else:
+        assert calls == ["step"] * (1 + WARMUP_STEPS + TIMED_STEPS) + ["evaluate"] * 2
+        assert steps > 1000 and "ms/step" in said[0]  # near-free fake steps
+
+
 def test_whole_word_masking_and_bf16_compute_train_finitely(stdlib_data, tmp_path):
     cfg = _cfg("masking.unit=word", "model.compute_dtype=bfloat16", "train.steps=2",
                "train.eval_every=2")

@@ -18,15 +18,19 @@ On disk (``RUN/finetune/TASK/``, one writer at a time): ``jobs/KEY/`` per job se
 encoder and its step, the task's digest, epochs, batch, warm-up, decay, dropout, pooling,
 dtype: ``settings.json``), one ``*.json`` per finished job — a rerun with more rates or seeds
 runs only the new jobs, a rerun with another ``--metric`` none; then ``model/`` (the selected
-job's fine-tuned model, re-run deterministically unless it is already there, and checked to
-reproduce its recorded validation score: what ``export`` and ``--predict`` read) and
-``result.json``, which names it.
+job's fine-tuned model: what ``export`` and ``--predict`` read) and ``result.json``, which
+names it. While the jobs run, each rate's best trained seed so far is kept at its best epoch in
+``jobs/KEY/model-lrRATE/`` (written before the job's record commits); the selected one is
+moved into ``model/`` and the others deleted. A selection no candidate holds (jobs recorded
+by an earlier command, or another ``--metric``) re-runs that job deterministically, checked to
+reproduce its recorded validation score.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -170,7 +174,9 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     if len(pending) < len(todo):
         say(f"{out}: {len(todo) - len(pending)} of {len(todo)} jobs already done; running "
             f"the other {len(pending)}")
-    _run_jobs(setup, task, encoders, pending, jobs_dir, say, progress, stop)
+    _run_jobs(setup, task, encoders, pending, jobs_dir, say, progress, stop,
+              lambda record, params: _keep_candidate(run, task, protocol, setup, key, jobs_dir,
+                                                     record, params))
     stop.raise_if_requested(f"every job ran and is kept in {jobs_dir}; run the same command "
                             "to select and write the model")
     records = {e: [files.read_json(jobs_dir / f"{_job_name(e, lr, s)}.json")
@@ -180,6 +186,8 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     (out / RESULT_FILE).unlink(missing_ok=True)  # never beside a model/ it does not name
     model = _selected_model(run, task, protocol, setup, results["trained"]["selected"], key,
                             out, say)
+    for candidate in jobs_dir.glob("model-lr*"):  # the rates not selected: model/ is written
+        shutil.rmtree(candidate, ignore_errors=True)
     result = _result(run, task, protocol, setup, results, started)
     result["model"] = model
     files.write_json(out / RESULT_FILE, result)
@@ -187,8 +195,9 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
 
 
 def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
-              progress: bool, stop: Interrupts) -> None:
-    """The pending jobs, each committed as it ends; a signal stops between two jobs."""
+              progress: bool, stop: Interrupts, keep_candidate) -> None:
+    """The pending jobs, each committed as it ends (a trained one's model first offered to
+    ``keep_candidate``); a signal stops between two jobs."""
     bar = _bar(progress, len(pending) * setup.steps)
     try:
         for done, (encoder, lr, seed) in enumerate(pending):
@@ -198,9 +207,12 @@ def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
             name = _job_name(encoder, lr, seed)
             if bar is not None:
                 bar[0].update(bar[1], description=name)
-            record, _ = jobs_lib.run_job(setup, task, encoders[encoder], lr, seed,
-                                         None if bar is None else
-                                         (lambda n: bar[0].advance(bar[1], n)))
+            record, best = jobs_lib.run_job(setup, task, encoders[encoder], lr, seed,
+                                            None if bar is None else
+                                            (lambda n: bar[0].advance(bar[1], n)),
+                                            keep_best=encoder == "trained")
+            if best is not None:
+                keep_candidate(record, best)
             files.write_json(jobs_dir / f"{name}.json", record)  # the job's commit
             if "diverged" in record:
                 say(f"{name}: diverged at step {record['diverged']['step']} (loss "
@@ -216,19 +228,61 @@ def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
             bar[0].stop()
 
 
+def _job_identity(key: str, learning_rate: float, seed: int, epoch: int,
+                  validation: dict) -> dict:
+    """What ``model/`` names (``finetuned.json``'s and ``result.json``'s ``job``)."""
+    return {"jobs": key, "learning_rate": learning_rate, "seed": seed, "epoch": epoch,
+            "validation": validation}
+
+
+def _write_model(dest: Path, run, task, protocol, setup, job: dict, params) -> None:
+    finetuned.write(dest, jax.device_get(params), setup.model_config, {
+        "kind": task.kind, "labels": task.labels, "style": setup.style, "pair": task.pair,
+        "pooling": protocol.pooling, "task": task.name, "metric": task.metric,
+        "source_run": str(Path(run.path).absolute()), "source_step": run.step,
+        "seq_len": setup.seq_len, "specials": run.specials, "learning_rate":
+        job["learning_rate"], "seed": job["seed"], "validation": job["validation"],
+        "dropout": protocol.dropout, "job": job}, run.tokenizer_path)
+
+
+def _candidate_dir(jobs_dir: Path, learning_rate: float) -> Path:
+    return jobs_dir / f"model-lr{learning_rate:g}"
+
+
+def _keep_candidate(run, task, protocol, setup, key: str, jobs_dir: Path, record: dict,
+                    params) -> None:
+    """Keep a finished trained job's best-epoch model as its rate's candidate when it beats
+    the one kept (``summarise``'s order within a rate: validation, then the lower seed)."""
+    if "diverged" in record:
+        return
+    epoch = jobs_lib.best_epoch(record, task.metric)
+    job = _job_identity(key, record["learning_rate"], record["seed"], epoch,
+                        record["per_epoch"][epoch - 1]["validation"])
+    dest = _candidate_dir(jobs_dir, record["learning_rate"])
+    kept = files.read_json(dest / finetuned.META_FILE)
+    if kept is not None and (kept["job"]["validation"][task.metric], -kept["job"]["seed"]) >= \
+            (job["validation"][task.metric], -job["seed"]):
+        return
+    _write_model(dest, run, task, protocol, setup, job, params)
+
+
 def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: Path,
                     say) -> dict:
     """``model/``: the selected rate's best-validation seed at its best epoch. Kept when it is
-    already that job; otherwise the job is re-run (it is deterministic) and must reproduce its
-    recorded validation score."""
+    already that job; moved from the rate's candidate when that is the job; otherwise the job
+    is re-run (it is deterministic) and must reproduce its recorded validation score."""
     best = selected["best_seed"]
-    job = {"jobs": key, "learning_rate": selected["learning_rate"], "seed": best["seed"],
-           "epoch": best["epoch"], "validation": best["validation"]}
+    job = _job_identity(key, selected["learning_rate"], best["seed"], best["epoch"],
+                        best["validation"])
     meta = out / "model" / finetuned.META_FILE
     if meta.is_file() and files.read_json(meta).get("job") == job:
         return job
     say(f"{out}: writing model/ — learning rate {job['learning_rate']:g}, seed {job['seed']}, "
         f"epoch {job['epoch']}")
+    candidate = _candidate_dir(out / "jobs" / key, job["learning_rate"])
+    if (files.read_json(candidate / finetuned.META_FILE) or {}).get("job") == job:
+        files.publish_dir(candidate, out / "model")
+        return job
     record, params = jobs_lib.run_job(setup, task, run.params, job["learning_rate"],
                                       job["seed"], until_epoch=job["epoch"])
     got = record["per_epoch"][-1]["validation"][task.metric]
@@ -238,13 +292,7 @@ def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: P
                          f"scored validation {task.metric} {got:.6f} on re-running, not its "
                          f"recorded {want:.6f}; run on the devices it ran on, or delete "
                          f"{out / 'jobs'} to retrain")
-    finetuned.write(out / "model", jax.device_get(params), setup.model_config, {
-        "kind": task.kind, "labels": task.labels, "style": setup.style, "pair": task.pair,
-        "pooling": protocol.pooling, "task": task.name, "metric": task.metric,
-        "source_run": str(Path(run.path).absolute()), "source_step": run.step,
-        "seq_len": setup.seq_len, "specials": run.specials, "learning_rate":
-        job["learning_rate"], "seed": job["seed"], "validation": best["validation"],
-        "dropout": protocol.dropout, "job": job}, run.tokenizer_path)
+    _write_model(out / "model", run, task, protocol, setup, job, params)
     return job
 
 

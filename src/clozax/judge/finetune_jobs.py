@@ -254,11 +254,13 @@ def best_epoch(record: dict, metric: str) -> int:
 
 
 def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
-            advance=None, until_epoch: int | None = None) -> tuple[dict, dict]:
+            advance=None, until_epoch: int | None = None,
+            keep_best: bool = False) -> tuple[dict, dict]:
     """Fine-tune ``encoder`` once, scoring validation and test after every epoch; returns
-    (record, params after the last epoch run). ``until_epoch`` stops after that epoch (the
-    schedule still spans every epoch: the same weights the full job had then). ``advance(n)``
-    hears progress."""
+    (record, params after the last epoch run) — or, ``keep_best``, a host copy of the params at
+    the best-validation epoch (``best_epoch``: the model the job would be selected with).
+    ``until_epoch`` stops after that epoch (the schedule still spans every epoch: the same
+    weights the full job had then). ``advance(n)`` hears progress."""
     started = time.perf_counter()
     params = initial_params(setup, encoder, seed)
     # Committed to the devices from the start, as the step's outputs are: an uncommitted first
@@ -270,7 +272,7 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
     split, protocol = task.splits["train"], setup.protocol
     rate = jnp.float32(lr)
-    step, losses, per_epoch = 0, [], []
+    step, losses, per_epoch, best = 0, [], [], None
     for epoch in range(until_epoch or protocol.epochs):
         total = count = 0.0
         rng = np.random.default_rng([seed, epoch])
@@ -290,7 +292,9 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
                     "seconds": round(time.perf_counter() - started, 2)}, None
         per_epoch.append({"validation": score(setup, task, params, "validation"),
                           "test": score_tests(setup, task, params)})
+        if keep_best and best_epoch({"per_epoch": per_epoch}, task.metric) == epoch + 1:
+            best = jax.device_get(params)
     record = {"learning_rate": lr, "seed": seed, "steps": step,
               "train_loss_per_epoch": losses, "per_epoch": per_epoch,
               "seconds": round(time.perf_counter() - started, 2)}
-    return record, params
+    return record, best if keep_best else params

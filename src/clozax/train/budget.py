@@ -3,12 +3,13 @@ and checkpoints included — takes the budget, and correct it as the run shows i
 
 The first choice is made before training, from the real compiled step run on a throwaway copy
 of the state (its first call is the compilation the run itself then reuses), one timed
-evaluation of the in-training held-out sample and one timed checkpoint save. The speed of the
-first steps is not the speed of the run (the host heap settles over tens of steps; on a shared
-machine other work comes and goes), so from a quarter of the budget on, at every 15 % of it,
-the run re-estimates from its speed since the last check and moves its end. The schedule's
-length is data in the optimizer state, so a revision recompiles nothing; each is recorded
-(``train.budget_revisions``) and a resume applies it at the same step.
+evaluation of the in-training held-out sample and one timed checkpoint save — unless start-up
+and compiling have spent the budget already: then the run is one step, without the timings.
+The speed of the first steps is not the speed of the run (the host heap settles over tens of
+steps; on a shared machine other work comes and goes), so from a quarter of the budget on, at
+every 15 % of it, the run re-estimates from its speed since the last check and moves its end.
+The schedule's length is data in the optimizer state, so a revision recompiles nothing; each is
+recorded (``train.budget_revisions``) and a resume applies it at the same step.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def steps_for_budget(config, started: float, state, step_fn, device_batch, mask_
     probe, m = step_fn(probe, device_batch(0), mask_key)  # compiles the run's step
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    budget_s = 60 * t.minutes
+    spent = time.perf_counter() - started
+    # Spent already (start-up and compiling took it): timing steps, an evaluation and a save
+    # would only overrun it further. Decided by process 0 for all (the probe is collective).
+    if distributed.broadcast(int(spent >= budget_s * (1 - MARGIN))):
+        say(f"budget {t.minutes:g} min: {spent:.1f} s spent before the first step (compile "
+            f"{compile_s:.1f} s) -> 1 step")
+        return 1
     for _ in range(WARMUP_STEPS):
         probe, m = step_fn(probe, device_batch(0), mask_key)
     jax.block_until_ready(m)
@@ -90,7 +99,6 @@ def steps_for_budget(config, started: float, state, step_fn, device_batch, mask_
     if primary:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    budget_s = 60 * t.minutes
     per_step = step_s + eval_s / t.eval_every + save_s / t.save_every
     remaining = budget_s * (1 - MARGIN) - (time.perf_counter() - started) - eval_s - save_s
     steps = max(1, math.floor(remaining / per_step))
