@@ -61,6 +61,8 @@ CANDIDATES = {
     "modern-init": Candidate("modern, ModernBERT's initialisation (truncated normals, output "
                              "projections scaled by 1/sqrt(2 x layers))", preset="modern-small",
                              sets=('model.init="modernbert"',)),
+    "modern-shallow": Candidate("modern, 4 layers instead of 6 (small's depth: more steps in "
+                                "the minutes)", preset="modern-small", sets=("model.layers=4",)),
 }
 DATA = {"corpus": "stdlib", "vocab_size": 8192, "heldout_fraction": 0.05, "seed": 0}
 
