@@ -55,6 +55,7 @@ __all__ = ["Protocol", "TaskSpec", "finetune_run", "load_task", "summary_table",
 RESULT_FILE = "result.json"
 ENCODERS = ("trained", "random_init")
 REPRODUCE_TOLERANCE = 1e-6  # the re-run selected job's validation score vs its record
+CANDIDATE_PREFIX = "model-lr"  # jobs/KEY/model-lrRATE/: a rate's best trained seed so far
 
 
 # --------------------------------------------------------------------------- selection
@@ -65,6 +66,12 @@ def _spread(values: list[float], higher_is_better: bool = True) -> dict:
     return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0,
             "worst": float(a.min() if higher_is_better else a.max()),
             "per_seed": [float(v) for v in a]}
+
+
+def _seed_rank(validation_score: float, seed: int) -> tuple:
+    """Within one rate, the seed kept as the model: the best validation score, then the lower
+    seed (``summarise``'s choice and the candidate kept while the jobs run)."""
+    return validation_score, -seed
 
 
 def summarise(records: list[dict], metric: str) -> dict:
@@ -84,7 +91,7 @@ def summarise(records: list[dict], metric: str) -> dict:
         epochs = [jobs_lib.best_epoch(r, metric) for r in rs]
         kept = [r["per_epoch"][e - 1] for r, e in zip(rs, epochs, strict=True)]
         val = [k["validation"][metric] for k in kept]
-        best = max(range(len(rs)), key=lambda k: (val[k], -rs[k]["seed"]))
+        best = max(range(len(rs)), key=lambda k: _seed_rank(val[k], rs[k]["seed"]))
         settings.append({"learning_rate": lr, "seeds": [r["seed"] for r in rs],
                          "epochs": epochs, "validation": _spread(val),
                          "test": {m: _spread([k["test"][m] for k in kept])
@@ -186,7 +193,7 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     (out / RESULT_FILE).unlink(missing_ok=True)  # never beside a model/ it does not name
     model = _selected_model(run, task, protocol, setup, results["trained"]["selected"], key,
                             out, say)
-    for candidate in jobs_dir.glob("model-lr*"):  # the rates not selected: model/ is written
+    for candidate in jobs_dir.glob(f"{CANDIDATE_PREFIX}*"):  # rates not selected: model/ is written
         shutil.rmtree(candidate, ignore_errors=True)
     result = _result(run, task, protocol, setup, results, started)
     result["model"] = model
@@ -246,7 +253,7 @@ def _write_model(dest: Path, run, task, protocol, setup, job: dict, params) -> N
 
 
 def _candidate_dir(jobs_dir: Path, learning_rate: float) -> Path:
-    return jobs_dir / f"model-lr{learning_rate:g}"
+    return jobs_dir / f"{CANDIDATE_PREFIX}{learning_rate:g}"
 
 
 def _keep_candidate(run, task, protocol, setup, key: str, jobs_dir: Path, record: dict,
@@ -260,8 +267,9 @@ def _keep_candidate(run, task, protocol, setup, key: str, jobs_dir: Path, record
                         record["per_epoch"][epoch - 1]["validation"])
     dest = _candidate_dir(jobs_dir, record["learning_rate"])
     kept = files.read_json(dest / finetuned.META_FILE)
-    if kept is not None and (kept["job"]["validation"][task.metric], -kept["job"]["seed"]) >= \
-            (job["validation"][task.metric], -job["seed"]):
+    if kept is not None and _seed_rank(kept["job"]["validation"][task.metric],
+                                       kept["job"]["seed"]) >= \
+            _seed_rank(job["validation"][task.metric], job["seed"]):
         return
     _write_model(dest, run, task, protocol, setup, job, params)
 
