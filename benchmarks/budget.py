@@ -61,6 +61,11 @@ CANDIDATES = {
     "modern-init": Candidate("modern, ModernBERT's initialisation (truncated normals, output "
                              "projections scaled by 1/sqrt(2 x layers))", preset="modern-small",
                              sets=('model.init="modernbert"',)),
+    "modern-mask15": Candidate("modern, masking 0.15 (the preset's own) instead of the "
+                               "recipe's 0.4", preset="modern-small", recipe=None,
+                               sets=("train.microbatches=2",)),
+    "modern-rows64": Candidate("modern, 64-token rows, batch 64 (the same tokens a step)",
+                               preset="modern-small", seq_len=64, sets=("train.batch_size=64",)),
     "modern-shallow": Candidate("modern, 4 layers instead of 6 (small's depth: more steps in "
                                 "the minutes)", preset="modern-small", sets=("model.layers=4",)),
 }

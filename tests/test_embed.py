@@ -292,9 +292,12 @@ def test_two_processes_of_two_devices_train_the_stage_of_one_process_of_four(tin
     assert losses["2x2"]["loss"] == pytest.approx(losses["1x4"]["loss"], rel=1e-5)
 
 
-def test_a_minutes_stage_fixes_its_length_once_and_a_rerun_keeps_it(tiny_run, tmp_path):
-    """--minutes: the length is set from the pace of the timed steps, written to config.json
-    (where a resume reads it) and the schedule's total set to it; the budget is kept."""
+def test_a_minutes_stage_sets_its_length_re_estimates_it_and_a_rerun_keeps_it(tiny_run,
+                                                                               tmp_path):
+    """--minutes: the length is set from the pace of the timed steps and re-estimated at the
+    budget's points (as `clozax train --minutes` is, so work that starts beside it later does
+    not make it overrun), each choice written to config.json (where a resume reads it) and the
+    schedule's total set to it; the budget is kept."""
     import time
 
     from clozax.train.run_dir import read_config
@@ -306,9 +309,68 @@ def test_a_minutes_stage_fixes_its_length_once_and_a_rerun_keeps_it(tiny_run, tm
     config = read_config(tmp_path / "emb")[0]
     # At least the timed steps (on a loaded machine loading and compiling can take the budget)
     assert config.train.minutes is None and config.train.steps == first["steps"] >= 4
-    assert config.train.budget_revisions == ((4, first["steps"]),)
+    revisions = config.train.budget_revisions
+    assert revisions[0][0] == 4 and revisions[-1][1] == first["steps"]
+    assert [at for at, _ in revisions] == sorted({at for at, _ in revisions})
     assert took < 0.5 * 60 + 15  # the budget, and the final save
     last = json.loads((tmp_path / "emb" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == first["steps"] and last["lr"] < 0.1 * settings.learning_rate  # decayed
     again = embed(tiny_run, tmp_path / "emb", settings, say=lambda _: None)
     assert again["trained"] == 0 and again["steps"] == first["steps"]
+
+
+class _Killed(Exception):
+    """The process dies here (no save, no clean exit)."""
+
+
+def _scripted_budget(kill_at: int | None):
+    """A budget whose choices are fixed (the real one's depend on the clock): the length set
+    to 150 at the timed step, re-estimated to 140 at step 110, the process killed at
+    ``kill_at``."""
+    class Scripted:
+        def __init__(self, minutes, started):
+            self.budget_s = 60 * minutes
+
+        def mark(self, step):
+            pass
+
+        def spent_outside(self, seconds):
+            pass
+
+        def estimate(self, step, eval_every, save_every):
+            return 150
+
+        def revise(self, step, steps, eval_every, save_every):
+            if step == kill_at:
+                raise _Killed
+            return 140 if step == 110 else None
+
+        def summary(self):
+            return ""
+    return Scripted
+
+
+def test_a_minutes_stage_killed_after_a_re_estimate_replays_it_on_resume_to_the_same_bits(
+        tiny_run, tmp_path, monkeypatch):
+    """A kill between a budget revision (recorded in config.json) and the next checkpoint: the
+    resume starts from the checkpoint before the revision, applies the recorded length at the
+    step it was made, and ends with the parameters of the stage that was never killed."""
+    from clozax.train import embed as embed_lib
+    from clozax.train.run_dir import read_config
+
+    settings = StageSettings(**{**STAGE, "steps": 50}, minutes=5.0)
+    monkeypatch.setattr(embed_lib, "Budget", _scripted_budget(kill_at=None))
+    straight = embed(tiny_run, tmp_path / "straight", settings, say=lambda _: None)
+    assert straight["steps"] == 140
+    monkeypatch.setattr(embed_lib, "Budget", _scripted_budget(kill_at=120))
+    with pytest.raises(_Killed):
+        embed(tiny_run, tmp_path / "killed", settings, say=lambda _: None)
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()
+                  if p.name.isdigit()) == ["100"]  # saved before the revision at 110
+    recorded = read_config(tmp_path / "killed")[0].train
+    assert recorded.budget_revisions == ((4, 150), (110, 140)) and recorded.steps == 140
+    resumed = embed(tiny_run, tmp_path / "killed", settings, say=lambda _: None)
+    assert resumed["trained"] == 40 and resumed["steps"] == 140
+    a, b = load_run(tmp_path / "straight"), load_run(tmp_path / "killed")
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

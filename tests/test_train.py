@@ -350,6 +350,41 @@ def test_minutes_fixes_the_step_count_once_and_records_it(stdlib_data, tmp_path)
     assert saved["train"]["steps"] == result.steps >= 1
 
 
+@pytest.mark.fast
+def test_the_budget_re_estimates_at_its_points_from_the_pace_since_its_last_estimate(
+        monkeypatch):
+    """A 120 s budget on a fake clock: the end step from the speed since the last estimate,
+    saves counted apart at their own cadence, 2 % of the budget kept for closing; points
+    already passed are spent, a change under 3 % changes nothing, after 85 % no more."""
+    import math
+    from types import SimpleNamespace
+
+    from clozax.train import budget as budget_lib
+
+    now = [10.0]
+    monkeypatch.setattr(budget_lib, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    budget = budget_lib.Budget(2.0, started=0.0)
+    assert not budget.due(5)  # not marked: nothing measured
+    budget.mark(1)
+    now[0] = 20.0  # 10 steps in 10 s; 117.6 s usable - 20 s spent = 97 steps more
+    assert budget.estimate(11, math.inf, 10) == 11 + 97
+    now[0] = 29.0
+    assert not budget.due(15)  # before 25 %
+    budget.spent_outside(3.0)  # a save
+    now[0] = 53.0  # 15 steps at 2 s and the save: 25 % and 40 % have passed
+    assert budget.due(26)
+    # 2 s a step + a 3 s save every 10 steps; 117.6 - 53 - 2 x 3 = 58.6 s: 25 steps more
+    assert budget.revise(26, 108, math.inf, 10) == 26 + 25
+    now[0] = 61.0
+    assert not budget.due(30)  # both points were spent at once: the next is 55 % (66 s)
+    now[0] = 67.0  # the same pace: 52, within 3 % of 51
+    assert budget.revise(33, 51, math.inf, 10) is None
+    now[0] = 110.0  # past 70 % and 85 %: one last estimate, then none
+    assert budget.revise(45, 51, math.inf, 10) is not None
+    now[0] = 115.0
+    assert not budget.due(47)
+
+
 @pytest.mark.parametrize("spent_before", [0.0, 100.0])
 def test_minutes_times_steps_unless_start_up_has_spent_the_budget(spent_before, tmp_path):
     """The probe times steps, an evaluation and a save within the budget; when start-up and

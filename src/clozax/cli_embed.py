@@ -36,8 +36,8 @@ def embed(
     pairs: Pairs = "first-sentence",
     steps: Steps = 200,
     minutes: Annotated[float | None, Opt(help="Instead of --steps: as many updates as fit "
-                                              "in this many minutes (fixed once, after a "
-                                              "few timed steps).")] = None,
+                                              "in this many minutes (set after a few timed "
+                                              "steps, re-estimated as it runs).")] = None,
     batch_size: BatchSize = 64, chunks: Chunks = 1, temperature: Temperature = 0.05,
     learning_rate: LearningRate = 1e-4, symmetric: Symmetric = False,
     pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,

@@ -19,7 +19,8 @@ def train(
     steps: Annotated[int | None, typer.Option(help="Number of updates (train.steps).")] = None,
     minutes: Annotated[
         float | None,
-        typer.Option(help="Time budget: fixes train.steps once from measured throughput."),
+        typer.Option(help="Time budget: sets train.steps from measured costs and "
+                          "re-estimates it as the run goes."),
     ] = None,
     preset: Annotated[
         str | None, typer.Option(help="Model preset: tiny, small (default), base; modern-tiny, "

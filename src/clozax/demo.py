@@ -36,10 +36,10 @@ from clozax.train.interrupts import Interrupts
 from clozax.train.recipes import apply_recipe
 
 # The demo's training budget: the small preset (4 layers x 256, batch 32 x 128 tokens) for
-# DEMO_STEPS steps with the budget recipe (masking rate 0.4: train/recipes.py): 591 s of
-# training at about 4,200 tokens/s on this 2-core CPU machine on 2026-12-04, nothing else
-# running (401 s at about 6,100 tokens/s on 2026-12-01: the machine's pace moves; the whole
-# demo's stages: docs/how-to/demo.md).
+# DEMO_STEPS steps with the budget recipe (masking rate 0.4: train/recipes.py): 468 s of
+# training at about 5,470 tokens/s on this 2-core CPU machine on 2026-12-04, nothing else
+# running, with the kept arena (train/hostmem.py, which `clozax demo` applies); the machine's
+# pace moves (docs/how-to/demo.md has the whole demo's stages).
 # Why not the 5 minutes (300 steps at rate 0.15) first planned: at 300 steps the trained encoder
 # did not beat the random-init encoder on the probe (29.8 % vs 31.0 %, paired difference
 # -1.2 pp [-5.0, +2.6]); measured alternatives on the same data: lr 3e-3 worse (26.2 %), batch 16

@@ -126,14 +126,25 @@ class Budget:
         self.outside_s += seconds
         self.outside_events += 1
 
-    def revise(self, step: int, steps: int, eval_every: int, save_every: int) -> int | None:
+    def due(self, step: int) -> bool:
+        """A re-estimation point of the budget has passed since the last estimate."""
+        return not (self.window is None or self.checks >= len(REVISE_AT) or step <= self.window[0]
+                    or time.perf_counter() - self.started < REVISE_AT[self.checks] * self.budget_s)
+
+    def revise(self, step: int, steps: int, eval_every: float, save_every: int) -> int | None:
         """A new end step when a re-estimation point has passed and the speed measured since
         the last one moves the end by more than ``MIN_CHANGE``; None otherwise."""
+        if not self.due(step):
+            return None
+        new = self.estimate(step, eval_every, save_every)
+        return new if abs(new - steps) > MIN_CHANGE * steps else None
+
+    def estimate(self, step: int, eval_every: float, save_every: int) -> int:
+        """The end step that fits the budget at the speed measured since the window began
+        (``eval_every`` ``math.inf`` where nothing evaluates); the window restarts here and the
+        re-estimation points already passed are spent."""
         now = time.perf_counter()
         elapsed = now - self.started
-        if (self.window is None or self.checks >= len(REVISE_AT)
-                or elapsed < REVISE_AT[self.checks] * self.budget_s or step <= self.window[0]):
-            return None
         while self.checks < len(REVISE_AT) and elapsed >= REVISE_AT[self.checks] * self.budget_s:
             self.checks += 1
         w_step, w_time, w_outside = self.window
@@ -142,8 +153,7 @@ class Budget:
         outside_each = self.outside_s / max(self.outside_events, 1)
         per_step = step_s + outside_each * (1 / eval_every + 1 / save_every)
         remaining = self.budget_s * (1 - MARGIN) - elapsed - 2 * outside_each
-        new = max(step + 1, step + math.floor(remaining / per_step))
-        return new if abs(new - steps) > MIN_CHANGE * steps else None
+        return max(step + 1, step + math.floor(remaining / per_step))
 
     def summary(self) -> str:
         used = time.perf_counter() - self.started

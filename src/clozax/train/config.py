@@ -120,7 +120,7 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
-    minutes: float | None = None  # if set, fixes `steps` from measured throughput, once
+    minutes: float | None = None  # if set, `steps` from measured costs, re-estimated (budget.py)
     batch_size: int = 32  # global, in sequences
     seed: int = 0  # derives init_key, data_key, mask_key
     eval_seed: int = 1234  # the frozen eval-mask set's key: never the training key

@@ -34,14 +34,15 @@ from jax.sharding import PartitionSpec as P
 from clozax.core import files
 from clozax.core import model as model_lib
 from clozax.core.keys import Keys
-from clozax.core.optim import make_optimizer, with_total_steps
+from clozax.core.optim import make_optimizer
 from clozax.core.pooling import POOLINGS
-from clozax.core.train_state import TrainState, init_params, new_state
+from clozax.core.train_state import init_params, new_state, with_total_steps
 from clozax.data import pairs as pairs_lib
 from clozax.data.tokenizer import load_tokenizer
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train import distributed
+from clozax.train.budget import Budget
 from clozax.train.checks import check_choice, check_int, check_real
 from clozax.train.contrastive import make_embed_step
 from clozax.train.interrupts import Interrupted, Interrupts
@@ -50,7 +51,7 @@ from clozax.train.mesh import from_host, make_mesh, place
 from clozax.train.observe import TrainLog
 from clozax.train.run_dir import LoadedRun, load_run, lock_run, open_run_dataset, read_config
 
-TIMING_STEPS = 3  # a --minutes stage times this many steps after its first, then fixes its length
+TIMING_STEPS = 3  # a --minutes stage times this many steps after its first to fix its length
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class StageSettings:
 
     pairs: str = "first-sentence"  # a kind of corpus pair (data/pairs.py) or a JSONL file
     steps: int = 200
-    minutes: float | None = None  # if set, the length is fixed from the measured pace, once
+    minutes: float | None = None  # if set, the length comes from the measured pace
     batch_size: int = 64  # pairs per step: the in-batch negatives are the other 63
     chunks: int = 1  # gradient-cache chunks (speed and memory only)
     temperature: float = 0.05  # SimCSE's
@@ -307,7 +308,8 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
     say(f"clozax embed: {len(stage.rows['query']):,} pairs ({stage.source}), batch "
         f"{s.batch_size} x {s.seq_len} tokens per side, {s.chunks} chunk(s), "
         f"{jax.device_count()} device(s), steps {start}->{config.train.steps}")
-    step, loss, timing = start, math.nan, None
+    step, loss, budget = start, math.nan, None
+    replay = dict(config.train.budget_revisions)  # a resume: the lengths its budget chose
     try:
         log.start(total=config.train.steps, completed=start)
         while step < end:
@@ -316,17 +318,24 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
             if step == start + 1:
                 jax.block_until_ready(metrics)
                 interrupts.arm()
-                timing = (step, time.perf_counter())
-            if s.minutes is not None and timing and step == timing[0] + TIMING_STEPS and \
-                    config.train.minutes is not None:
-                config, state, end = _fix_length(out, config, state, timing, started, step,
-                                                 stop_after)
-                log.retotal(config.train.steps)
+                if config.train.minutes is not None:  # a new --minutes stage (a resume keeps
+                    budget = Budget(config.train.minutes, started)  # its recorded length)
+                    budget.mark(step)
+            if step in replay:  # a recorded budget choice: the same step, the same length
+                state = with_total_steps(state, replay[step])
             stopping = interrupts.reached(step)
             if step % config.train.log_every == 0 or step == end or stopping:
                 loss = _record(log, jax.device_get(metrics), step, started)
+            timed = start + 1 + TIMING_STEPS
+            if budget is not None and (step == timed or (
+                    step > timed and step % config.train.log_every == 0)):
+                config, state, end = _budget_length(out, config, state, budget, step, end,
+                                                    stop_after, log)
             if step % config.train.save_every == 0 or step == end or stopping:
+                saving = time.perf_counter()
                 checkpointer.save(step, state, {"stage": True})
+                if budget is not None:
+                    budget.spent_outside(time.perf_counter() - saving)
             if stopping:
                 checkpointer.wait()
                 raise Interrupted(interrupts.signal_name, step, out)
@@ -337,24 +346,39 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
                 close()
             except Exception:  # noqa: BLE001
                 pass
+    if budget is not None:
+        say(budget.summary())
     return {"run": str(out), "steps": step, "trained": step - start, "loss": loss,
             "pairs": len(stage.rows["query"]), "source": stage.source}
 
 
-def _fix_length(out, config, state, timing, started, step, stop_after):
-    """A ``--minutes`` stage: its length from the pace of the timed steps, written once to
-    ``config.json`` (a resume reads it), the schedule's total set to it."""
-    jax.block_until_ready(state)
-    per_step = (time.perf_counter() - timing[1]) / (step - timing[0])
-    left = config.train.minutes * 60 - (time.perf_counter() - started)
-    steps = distributed.broadcast(max(step, step + int(left / per_step)))  # process 0's
-    config = config.replace(train=dataclasses.replace(config.train, steps=steps, minutes=None,
-                                                      budget_revisions=((step, steps),)))
+def _budget_length(out, config, state, budget: Budget, step: int, end: int, stop_after, log):
+    """A ``--minutes`` stage's length: fixed from the pace of its first ``TIMING_STEPS`` timed
+    steps, then re-estimated at the budget's points (``train/budget.py``, as ``clozax train``
+    does) from the pace since the last estimate. Process 0 decides for all; each choice is
+    recorded in ``config.json`` (``budget_revisions``: a resume replays them at their steps,
+    and keeps the last length) and set as the schedule's total. Returns ``(config, state,
+    end)``."""
+    jax.block_until_ready(state)  # the steps dispatched so far have run: the pace is real
+    train = config.train
+    if not train.budget_revisions:
+        steps = budget.estimate(step, math.inf, train.save_every)
+    else:
+        steps = budget.revise(step, train.steps, math.inf, train.save_every)
+    steps = distributed.broadcast(-1 if steps is None else steps)
+    if steps < 0:
+        return config, state, end
+    config = config.replace(train=dataclasses.replace(
+        train, steps=steps, minutes=None, budget_revisions=(*train.budget_revisions,
+                                                            (step, steps))))
     if distributed.is_primary():
         files.write_json(out / CONFIG_FILE, config.to_dict(), sort_keys=True)
-    state = TrainState(state.step, state.params, with_total_steps(state.opt_state, steps))
-    end = steps if stop_after is None else min(steps, stop_after)
-    return config, state, end
+    log.retotal(steps)
+    log.info(f"budget {budget.budget_s / 60:g} min: at step {step} the stage "
+             f"{'ends' if len(config.train.budget_revisions) == 1 else 'now ends'} at step "
+             f"{steps} (recorded in config.json)")
+    return config, with_total_steps(state, steps), steps if stop_after is None else min(steps,
+                                                                                   stop_after)
 
 
 def _record(log: TrainLog, metrics: dict, step: int, started: float) -> float:

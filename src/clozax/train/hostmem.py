@@ -11,21 +11,22 @@ step drop to 0 and the step runs 15-20 % faster (``benchmarks/compare_hf.py``, 2
 
 ``keep_freed_memory`` must run before JAX is imported (importing it already starts threads that
 take arenas of their own, and XLA's workers would later share those: measured, 21,000 faults per
-step instead of 0); once JAX is imported it does nothing and returns False. ``clozax train`` calls
-it first thing (``clozax demo`` does not: its one process runs every stage, where the arena
-fragmented to a 2.65-2.98 GB peak against 2.03 GB with glibc's default); Python users call it
-before any JAX work. It is not applied on import because the single arena costs compilation:
-the small train step compiled in 5.4 s
-instead of 3.5 s (XLA's compile threads contend for the arena), and the test suite ran 424 s
-instead of 331 s. Training repays that after ~20 steps (~100 ms saved per small-preset step);
-short, compile-heavy commands (evaluate, probe, audit) do not, so they keep glibc's default.
-It is a no-op off glibc and on hosts with an accelerator (an NVIDIA, AMD or TPU device node:
-the step then runs on the device, and the host heap is not where its scratch lives), and
-``CLOZAX_HOST_MALLOC=default`` turns it off. Peak RSS is unchanged
-(the buffer was resident during each step anyway); memory freed after the peak stays with the
-process until it exits. Measured on the train step once the heap has settled (a few steps; the
-test suite checks 0 faults per step against ~85,000 with glibc's default); other programs'
-buffers can still be faulted in when the heap's free space is fragmented.
+step instead of 0); once JAX is imported it does nothing and returns False. ``clozax train``
+calls it first thing, and so does ``clozax demo`` (not ``--quick``): its one process runs every
+stage, where the arena costs memory — a 2.80 GB peak against 2.40 GB with glibc's default — and
+pays in time (the whole demo's stages 884 s against 937 s, the same numbers; 2026-12-04). Python
+users call it before any JAX work. It is not applied on import because the single arena costs
+compilation: the small train step compiled in 5.4 s instead of 3.5 s (XLA's compile threads
+contend for the arena), and the test suite ran 424 s instead of 331 s. Training repays that
+after ~20 steps (~100 ms saved per small-preset step); short, compile-heavy commands (evaluate,
+probe, audit) do not, so they keep glibc's default. It is a no-op off glibc and on hosts with an
+accelerator (an NVIDIA, AMD or TPU device node: the step then runs on the device, and the host
+heap is not where its scratch lives), and ``CLOZAX_HOST_MALLOC=default`` turns it off. A training
+command's peak RSS is unchanged (the buffer was resident during each step anyway); memory freed
+after the peak stays with the process until it exits. Measured on the train step once the heap
+has settled (a few steps; the test suite checks 0 faults per step against ~85,000 with glibc's
+default); other programs' buffers can still be faulted in when the heap's free space is
+fragmented.
 """
 
 from __future__ import annotations
