@@ -281,7 +281,7 @@ def demo(
 ):
     """Prepare the built-in corpus, train, evaluate, probe, audit and report (resumable)."""
     if not quick:  # the kept arena (train/hostmem.py), before JAX starts: the whole demo 937 ->
-        hostmem.keep_freed_memory()  # 884 s of stages, peak RSS 2.34 -> 2.73 GB (2026-12-04);
+        hostmem.keep_freed_memory()  # 884 s of stages, peak RSS 2.40 -> 2.80 GB (2026-12-04);
     compile_cache.enable()  # --quick is all compiling, which the one arena slows
     from clozax import demo as demo_lib
 
