@@ -243,7 +243,7 @@ def protocol_from(args):
     return ft.Protocol(learning_rates=None if args.lr is None else
                        tuple(float(x) for x in args.lr.split(",")),
                        seeds=args.seeds, epochs=args.epochs, max_train_examples=args.max_train,
-                       control=not args.no_control)
+                       control=not args.no_control, layer_decay=args.layer_decay)
 
 
 def add_finetune_options(parser) -> None:
@@ -253,6 +253,8 @@ def add_finetune_options(parser) -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-train", type=int, default=None)
+    parser.add_argument("--layer-decay", type=float, default=1.0,
+                        help="layer-wise learning-rate decay (clozax finetune --layer-decay)")
     parser.add_argument("--no-control", action="store_true",
                         help="no random-init control (e.g. comparing two published encoders)")
     parser.add_argument("--retrieval-steps", type=int, default=40,

@@ -139,6 +139,37 @@ def test_seeds_repeat_bitwise_and_differ_between_seeds(tiny_run, task_files):
     assert not np.array_equal(flat[0], flat[2])
 
 
+def test_layer_decay_scales_each_layers_step_by_its_depth_and_1_is_the_plain_step(
+        tiny_run, task_files):
+    run = load_run(tiny_run)
+    task = ft.load_task(ft.TaskSpec(train=task_files["classification"]), run,
+                        load_tokenizer(run.tokenizer_path))
+    b = jobs_lib.arrays(task.splits["train"], np.arange(16), 16, task.kind, run.specials["pad"],
+                        64)
+
+    def one_step(decay):  # the step's parameter change from the same start, batch and key
+        setup = jobs_lib.make_setup(run.config.model, task, ft.Protocol(
+            learning_rates=(1e-3,), seeds=1, epochs=1, batch_size=16, layer_decay=decay),
+            run.specials["pad"], 64)
+        start = jobs_lib.initial_params(setup, run.params, 0)
+        after = setup.step_fn(jax.tree.map(np.array, start), setup.optimizer.init(start), b,
+                              jax.random.key(1), np.float32(1e-3))[0]
+        return jax.tree.map(lambda a, s: np.asarray(a) - np.asarray(s), after, start)
+
+    plain, half = one_step(1.0), one_step(0.5)
+    L = run.config.model.layers  # 2: layers 0 and 1 at 0.5^2 and 0.5^1, embeddings at 0.5^3
+    for i in range(L):
+        for d, p in zip(jax.tree.leaves(half["encoder"]["layers"]),
+                        jax.tree.leaves(plain["encoder"]["layers"]), strict=True):
+            np.testing.assert_allclose(d[i], p[i] * 0.5 ** (L - i), rtol=1e-3, atol=1e-6)
+    for d, p in zip(jax.tree.leaves(half["encoder"]["embeddings"]),
+                    jax.tree.leaves(plain["encoder"]["embeddings"]), strict=True):
+        np.testing.assert_allclose(d, p * 0.5 ** (L + 1), rtol=1e-3, atol=1e-6)
+    for d, p in zip(jax.tree.leaves(half["head"]), jax.tree.leaves(plain["head"]), strict=True):
+        np.testing.assert_allclose(d, p, rtol=1e-3, atol=1e-6)  # the task head: the full rate
+    assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(plain["encoder"]["layers"]))
+
+
 def test_a_protocol_killed_after_a_job_commit_resumes_to_the_same_result(
         tiny_run_copy, task_files, monkeypatch):
     spec = ft.TaskSpec(train=task_files["classification"], name="resume")
@@ -571,6 +602,13 @@ def test_the_cli_says_a_bad_task_in_one_line(tiny_run, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "--label-field" in err[0]
+    for decay in ("0", "1.5"):  # a layer decay outside (0, 1]: refused before any job trains
+        with pytest.raises(SystemExit) as exit_:
+            main(["finetune", str(tiny_run), "--task", str(train), "--layer-decay", decay])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--layer-decay 0.8" in err[0], err
+    assert not (tiny_run / "finetune" / "t").exists()
 
 
 # --------------------------------------------------------------------------- export

@@ -59,6 +59,9 @@ def finetune(
     dropout: Annotated[float, Opt(help="Head dropout.")] = 0.1,
     warmup: Annotated[float, Opt(help="Warm-up fraction of each job's steps.")] = 0.06,
     pooling: Annotated[str, Opt(help="cls, or mean (ModernBERT-style encoders).")] = "cls",
+    layer_decay: Annotated[float, Opt(help="Layer-wise learning-rate decay: layer i of L "
+                                           "trains at lr x DECAY^(L-i), the embeddings at "
+                                           "DECAY^(L+1), the head at lr (1: none).")] = 1.0,
     control: Annotated[bool, Opt(help="Also fine-tune the random-init encoder.")] = True,
     bf16: Annotated[bool, Opt(help="Compute in bfloat16 (parameters stay float32).")] = False,
     max_train: Annotated[int | None, Opt(help="Train on a keyed choice of this many "
@@ -94,7 +97,7 @@ def finetune(
         return
     protocol = ft.Protocol(learning_rates=_rates(lr), seeds=seeds, epochs=epochs,
                            batch_size=batch_size, dropout=dropout, warmup_fraction=warmup,
-                           pooling=pooling, control=control,
+                           pooling=pooling, control=control, layer_decay=layer_decay,
                            compute_dtype="bfloat16" if bf16 else None,
                            max_train_examples=max_train)
     from rich.console import Console

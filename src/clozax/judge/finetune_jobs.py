@@ -48,6 +48,7 @@ class Protocol:
     control: bool = True  # also fine-tune the random-init encoder
     compute_dtype: str | None = None  # None: the run's
     max_train_examples: int | None = None  # a keyed choice of this many training examples
+    layer_decay: float = 1.0  # layer-wise learning-rate decay (``layer_rates``); 1: none
 
     def __post_init__(self):
         if self.learning_rates is not None and (not self.learning_rates or any(
@@ -65,6 +66,9 @@ class Protocol:
             raise ValueError(f"compute dtype {self.compute_dtype!r} is not float32 or bfloat16")
         if self.max_train_examples is not None and self.max_train_examples < 2:
             raise ValueError("max_train_examples must be at least 2")
+        if not 0 < self.layer_decay <= 1:
+            raise ValueError(f"layer decay {self.layer_decay} must be in (0, 1]; pass e.g. "
+                             "--layer-decay 0.8, or 1 for none")
 
 
 # --------------------------------------------------------------------------- batches
@@ -116,6 +120,26 @@ def arrays(split: tasks.Split, idx: np.ndarray, batch: int, kind: str, pad: int,
 
 
 # --------------------------------------------------------------------------- jobs
+
+
+def layer_rates(params, layers: int, decay: float):
+    """Each parameter's learning-rate factor under layer-wise decay, BEiT's form of ELECTRA's
+    (Bao et al. 2021; Clark et al. 2020): the task head and what sits above the last layer
+    (the final norm) 1, layer i of L (0 the lowest) ``decay ** (L - i)``, the embeddings
+    ``decay ** (L + 1)``. A pytree like ``params`` ({"encoder": ..., "head": ...}); the
+    stacked layers' factors are (L, 1, ...), one per layer."""
+    per_layer = decay ** np.arange(layers, 0, -1, dtype=np.float64)  # (L,) the lowest first
+
+    def rate(path, leaf):
+        where = [getattr(k, "key", None) for k in path[:2]]
+        if where == ["encoder", "layers"]:
+            return jnp.asarray(per_layer.reshape((layers,) + (1,) * (leaf.ndim - 1)),
+                               jnp.float32)
+        if where == ["encoder", "embeddings"]:
+            return jnp.float32(decay ** (layers + 1))
+        return jnp.float32(1.0)
+
+    return jax.tree_util.tree_map_with_path(rate, params)
 
 
 @dataclass(frozen=True)
@@ -177,7 +201,11 @@ def make_setup(model_config, task: tasks.Task, protocol: Protocol, pad: int,
     def step(params, opt_state, batch, key, lr):
         (_, (total, count)), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        updates = jax.tree.map(lambda u: -lr * u, updates)
+        if protocol.layer_decay == 1:
+            updates = jax.tree.map(lambda u: -lr * u, updates)
+        else:  # the same step with each parameter's rate scaled by its layer's factor
+            rates = layer_rates(params, c.layers, protocol.layer_decay)
+            updates = jax.tree.map(lambda u, r: -lr * r * u, updates, rates)
         return optax.apply_updates(params, updates), opt_state, total, count
 
     devices = jax.devices()
