@@ -179,11 +179,16 @@ def make_setup(model_config, task: tasks.Task, protocol: Protocol, pad: int,
         down = (steps - count) / max(steps - warm, 1)
         return jnp.clip(jnp.where(count < warm, up, down), 0.0, 1.0)
 
+    by_layer = []  # layer-wise decay scales each parameter's step by its layer's factor
+    if protocol.layer_decay < 1:
+        by_layer = [optax.stateless(lambda updates, params: jax.tree.map(
+            lambda u, r: r * u, updates, layer_rates(params, c.layers, protocol.layer_decay)))]
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.scale_by_adam(**ADAM),
         optax.add_decayed_weights(protocol.weight_decay, mask=model_lib.decay_mask),
         optax.scale_by_schedule(shape),
+        *by_layer,
     )
 
     def logits(params, batch, key):  # key None: evaluation, no dropout anywhere
@@ -201,11 +206,7 @@ def make_setup(model_config, task: tasks.Task, protocol: Protocol, pad: int,
     def step(params, opt_state, batch, key, lr):
         (_, (total, count)), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        if protocol.layer_decay == 1:
-            updates = jax.tree.map(lambda u: -lr * u, updates)
-        else:  # the same step with each parameter's rate scaled by its layer's factor
-            rates = layer_rates(params, c.layers, protocol.layer_decay)
-            updates = jax.tree.map(lambda u, r: -lr * r * u, updates, rates)
+        updates = jax.tree.map(lambda u: -lr * u, updates)
         return optax.apply_updates(params, updates), opt_state, total, count
 
     devices = jax.devices()
