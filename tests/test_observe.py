@@ -63,4 +63,8 @@ def test_training_logs_carry_pace_fields_and_a_consistent_rate(tiny_run):
     # 1.5 ms: a tiny run's 3 steps take a few ms, so a relative bound would be rounding noise).
     assert 3 * tokens_per_step / second["tokens_per_s"] == pytest.approx(train_seconds,
                                                                          abs=1.6e-3)
-    assert first["tokens_per_s"] < 5 * second["tokens_per_s"]  # not the compile step's 0 s
+    # The first line's rate is over steps 2-3, measured from the end of the compiling step: its
+    # interval is a real one, not the 1e-9 s floor of a line with no measured time (a ratio to
+    # the second line's rate would be timing noise: an async save of step 3 overlaps 4-6).
+    first_seconds = 2 * tokens_per_step / first["tokens_per_s"]
+    assert 1e-4 < first_seconds < first["elapsed_s"]
