@@ -54,8 +54,8 @@ SIZES = (
     (r"--seq-len (512|1024)\b", "--seq-len 128", "rows of 128 tokens (modern-tiny's most)"),
     (r"--workers \d+", "--workers 2", "worker processes: the machine's 2 cores"),
     (r"^(clozax finetune (?!.*--predict).*?)( *#.*)?$",
-     r"\1 --seeds 2 --epochs 1 --max-train 200\2",
-     "fine-tuning: 2 seeds of 1 epoch on at most 200 training examples"),
+     r"\1 --seeds 2 --epochs 1 --max-train 200 --max-len 64\2",
+     "fine-tuning: 2 seeds of 1 epoch on at most 200 training examples of at most 64 tokens"),
     (r"^(\w*steps) = (\d+)", lambda m: f"{m[1]} = {max(1, int(m[2]) // 100)}",
      "a TOML block's step counts, divided by 100"),
 )
@@ -110,7 +110,8 @@ def test_sizes_change_only_the_numbers_they_name():
     assert sized("clozax train --data d --out r --preset small --steps 2000  # x") == \
         "clozax train --data d --out r --preset tiny --steps 2  # x"
     assert sized("clozax finetune runs/x --task t.jsonl   # a comment") == \
-        "clozax finetune runs/x --task t.jsonl --seeds 2 --epochs 1 --max-train 200   # a comment"
+        "clozax finetune runs/x --task t.jsonl --seeds 2 --epochs 1 --max-train 200 --max-len 64" \
+        "   # a comment"
     assert sized("clozax finetune runs/x --name t --predict new.jsonl") == \
         "clozax finetune runs/x --name t --predict new.jsonl"
     assert sized("steps = 2000\nwarmup_steps = 50\nrate = 0.3") == \

@@ -139,6 +139,22 @@ def test_seeds_repeat_bitwise_and_differ_between_seeds(tiny_run, task_files):
     assert not np.array_equal(flat[0], flat[2])
 
 
+def test_max_len_cuts_each_text_to_fit_counts_the_cuts_and_keys_the_jobs_apart(
+        tiny_run, task_files):
+    run = load_run(tiny_run)
+    tok = load_tokenizer(run.tokenizer_path)
+    full = ft.load_task(ft.TaskSpec(train=task_files["classification"]), run, tok)
+    cut = ft.load_task(ft.TaskSpec(train=task_files["classification"], max_len=8), run, tok)
+    assert full.accounting["seq_len"] == run.trained_length and cut.accounting["seq_len"] == 8
+    for name, split in cut.splits.items():
+        longer = sum(len(x) > 8 for x in full.splits[name].ids)
+        assert longer > 0 and cut.accounting["truncated_to_seq_len"][name] == longer
+        for short, whole in zip(split.ids, full.splits[name].ids, strict=True):
+            assert len(short) == min(len(whole), 8)  # [CLS], the text's first tokens, [SEP]
+            assert list(short[:-1]) == list(whole[: len(short) - 1]) and short[-1] == whole[-1]
+    assert ft.job_settings(run, cut, FAST) != ft.job_settings(run, full, FAST)
+
+
 def test_layer_decay_scales_each_layers_step_by_its_depth_and_1_is_the_plain_step(
         tiny_run, task_files):
     run = load_run(tiny_run)
@@ -608,6 +624,14 @@ def test_the_cli_says_a_bad_task_in_one_line(tiny_run, tmp_path, capsys):
         assert exit_.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--layer-decay 0.8" in err[0], err
+    trained = load_run(tiny_run).trained_length
+    for length, says in (("4", "pass at least 8"), (str(trained + 1), f"at most {trained}")):
+        with pytest.raises(SystemExit) as exit_:  # no room for a text; positions never trained
+            main(["finetune", str(tiny_run), "--task", str(train), "--max-len", length])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--max-len" in err[0] and says in err[0], err
+    assert not (tiny_run / "finetune" / "t").exists()
     assert not (tiny_run / "finetune" / "t").exists()
 
 

@@ -66,6 +66,9 @@ def finetune(
     bf16: Annotated[bool, Opt(help="Compute in bfloat16 (parameters stay float32).")] = False,
     max_train: Annotated[int | None, Opt(help="Train on a keyed choice of this many "
                                               "examples.")] = None,
+    max_len: Annotated[int | None, Opt(help="Tokens per example, special tokens included: "
+                                            "longer texts are cut (default: the length the "
+                                            "encoder was trained on).")] = None,
     split_seed: Annotated[int, Opt(help="Seed of the carved splits.")] = 0,
     keep_pretraining_overlap: Annotated[bool, Opt(
         help="Score validation/test examples the encoder read in pretraining (default: "
@@ -86,7 +89,8 @@ def finetune(
                     tokens=tokens_field, tags=tags_field)
     spec = ft.TaskSpec(train=task, validation=validation, test=test, kind=kind, fields=fields,
                        glue=glue_task, glue_dir=glue_dir, name=name, metric=metric,
-                       split_seed=split_seed, keep_pretraining_overlap=keep_pretraining_overlap)
+                       split_seed=split_seed, keep_pretraining_overlap=keep_pretraining_overlap,
+                       max_len=max_len)
     if predict is not None:
         from clozax.judge.finetune_predict import predict_file
 

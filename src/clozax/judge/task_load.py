@@ -32,6 +32,7 @@ from clozax.judge import overlap
 from clozax.train.run_dir import open_run_dataset
 
 MIN_EXAMPLES = 30
+MIN_LENGTH = 8  # the shortest --max-len: [CLS], a pair's two [SEP] and a few tokens of each text
 MAX_PER_CLASS = 100
 HELDOUT_VALIDATION = 1 / 3
 
@@ -52,12 +53,16 @@ class TaskSpec:
     split_seed: int = 0
     keep_pretraining_overlap: bool = False
     max_per_class: int = MAX_PER_CLASS  # the dataset labels' cap
+    max_len: int | None = None  # tokens per example; None: the run's trained length
 
     def __post_init__(self):
         if self.kind not in tasks.KINDS:
             raise ValueError(f"task kind {self.kind!r} is not one of {', '.join(tasks.KINDS)}")
         if self.glue is not None and self.glue_dir is None:
             raise ValueError("--glue-task needs --glue-dir, the local GLUE folder")
+        if self.max_len is not None and self.max_len < MIN_LENGTH:
+            raise ValueError(f"--max-len {self.max_len} leaves no room for a text; pass at "
+                             f"least {MIN_LENGTH} (tokens per example, [CLS] and [SEP] included)")
         if self.max_per_class < MIN_EXAMPLES:
             raise ValueError(f"max_per_class={self.max_per_class} is below {MIN_EXAMPLES}; "
                              "raise it")
@@ -72,15 +77,28 @@ class TaskSpec:
 
 def load_task(spec: TaskSpec, run, tokenizer) -> tasks.Task:
     """The task ``spec`` names, its evaluated splits checked against the run's pretraining
-    data, encoded with the run's tokenizer at its trained length."""
+    data, encoded with the run's tokenizer at its trained length (or ``spec.max_len``, at
+    most that: each text cut to fit, the cuts counted per split)."""
+    length = _length(spec, run)
     raws, kind, source, metric, carved, selection = _raws(spec, run, tokenizer)
     raws, seen = overlap.account(raws, run.info, spec.keep_pretraining_overlap)
     task = tasks.build(spec.task_name(), kind, source, metric, raws, tokenizer, run.specials,
-                       run.trained_length, carved=carved)
+                       length, carved=carved)
     task.accounting["pretraining_overlap"] = seen
     if selection:
         task.accounting["selection"] = selection
     return task
+
+
+def _length(spec: TaskSpec, run) -> int:
+    """Tokens per example: the run's trained length, or ``spec.max_len`` when it is shorter
+    (positions past the trained length were never trained, so a longer one is refused)."""
+    if spec.max_len is None:
+        return run.trained_length
+    if spec.max_len > run.trained_length:
+        raise ValueError(f"--max-len {spec.max_len} is past the {run.trained_length} tokens "
+                         f"run {run.path} was trained on; pass at most {run.trained_length}")
+    return spec.max_len
 
 
 def _raws(spec: TaskSpec, run, tokenizer):
