@@ -157,7 +157,8 @@ def finetune_rows(run: Path, task: str, spec, protocol) -> list[dict]:
         s = r["selected"]
         m = s["test"][metric]
         rows.append({"task": task, "run": str(run), "encoder": name, "metric": metric,
-                     "lr": s["learning_rate"], "mean": m["mean"], "std": m["std"],
+                     "lr": s["learning_rate"], "layer_decay": s["layer_decay"],
+                     "mean": m["mean"], "std": m["std"],
                      "worst": m["worst"], "per_seed": m["per_seed"],
                      "seconds_per_job": s["seconds_per_job"],
                      "tfidf": result.get("tfidf", {}).get("test", {}).get(metric),
@@ -166,8 +167,9 @@ def finetune_rows(run: Path, task: str, spec, protocol) -> list[dict]:
                      "minus_random_init": result.get("trained_minus_random_init"),
                      "minus_tfidf": result.get("trained_minus_tfidf"),
                      "seconds": round(time.perf_counter() - started, 1)})
-        print(f"{task:9s} {str(run):32s} {name:12s} lr {s['learning_rate']:g}: test {metric} "
-              f"{m['mean']:.4f} ± {m['std']:.4f} (worst {m['worst']:.4f}); TF-IDF "
+        decay = "" if s["layer_decay"] == 1 else f" decay {s['layer_decay']:g}"
+        print(f"{task:9s} {str(run):32s} {name:12s} lr {s['learning_rate']:g}{decay}: test "
+              f"{metric} {m['mean']:.4f} ± {m['std']:.4f} (worst {m['worst']:.4f}); TF-IDF "
               f"{rows[-1]['tfidf']}; constant {rows[-1]['constant']:.4f}; "
               f"{s['seconds_per_job']:.1f} s/job", flush=True)
     for key in ("minus_random_init", "minus_tfidf"):
@@ -243,7 +245,8 @@ def protocol_from(args):
     return ft.Protocol(learning_rates=None if args.lr is None else
                        tuple(float(x) for x in args.lr.split(",")),
                        seeds=args.seeds, epochs=args.epochs, max_train_examples=args.max_train,
-                       control=not args.no_control, layer_decay=args.layer_decay)
+                       control=not args.no_control,
+                       layer_decays=tuple(float(x) for x in args.layer_decay.split(",")))
 
 
 def add_finetune_options(parser) -> None:
@@ -253,8 +256,9 @@ def add_finetune_options(parser) -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-train", type=int, default=None)
-    parser.add_argument("--layer-decay", type=float, default=1.0,
-                        help="layer-wise learning-rate decay (clozax finetune --layer-decay)")
+    parser.add_argument("--layer-decay", default="1",
+                        help="layer-wise learning-rate decay, a grid chosen on validation "
+                        "(clozax finetune --layer-decay)")
     parser.add_argument("--no-control", action="store_true",
                         help="no random-init control (e.g. comparing two published encoders)")
     parser.add_argument("--retrieval-steps", type=int, default=40,

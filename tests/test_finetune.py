@@ -163,13 +163,13 @@ def test_layer_decay_scales_each_layers_step_by_its_depth_and_1_is_the_plain_ste
     b = jobs_lib.arrays(task.splits["train"], np.arange(16), 16, task.kind, run.specials["pad"],
                         64)
 
+    setup = jobs_lib.make_setup(run.config.model, task, ft.Protocol(
+        learning_rates=(1e-3,), seeds=1, epochs=1, batch_size=16), run.specials["pad"], 64)
+    start = jobs_lib.initial_params(setup, run.params, 0)
+
     def one_step(decay):  # the step's parameter change from the same start, batch and key
-        setup = jobs_lib.make_setup(run.config.model, task, ft.Protocol(
-            learning_rates=(1e-3,), seeds=1, epochs=1, batch_size=16, layer_decay=decay),
-            run.specials["pad"], 64)
-        start = jobs_lib.initial_params(setup, run.params, 0)
         after = setup.step_fn(jax.tree.map(np.array, start), setup.optimizer.init(start), b,
-                              jax.random.key(1), np.float32(1e-3))[0]
+                              jax.random.key(1), np.float32(1e-3), np.float32(decay))[0]
         return jax.tree.map(lambda a, s: np.asarray(a) - np.asarray(s), after, start)
 
     plain, half = one_step(1.0), one_step(0.5)
@@ -184,6 +184,9 @@ def test_layer_decay_scales_each_layers_step_by_its_depth_and_1_is_the_plain_ste
     for d, p in zip(jax.tree.leaves(half["head"]), jax.tree.leaves(plain["head"]), strict=True):
         np.testing.assert_allclose(d, p, rtol=1e-3, atol=1e-6)  # the task head: the full rate
     assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(plain["encoder"]["layers"]))
+    # decay 1: every factor exactly 1, so lr x 1 x update is the undecayed step, bitwise
+    assert all(np.all(np.asarray(r) == 1) for r in jax.tree.leaves(
+        jobs_lib.layer_rates(start, L, np.float32(1.0))))
 
 
 def test_a_protocol_killed_after_a_job_commit_resumes_to_the_same_result(
@@ -266,8 +269,8 @@ def test_a_diverging_rate_is_a_result_and_the_grid_goes_on(tiny_run_copy, task_f
     def make_setup(*args, **kwargs):
         setup = made(*args, **kwargs)
 
-        def step_fn(params, opt_state, batch, key, rate):
-            params, opt_state, s, n = setup.step_fn(params, opt_state, batch, key, rate)
+        def step_fn(params, opt_state, batch, key, rate, decay):
+            params, opt_state, s, n = setup.step_fn(params, opt_state, batch, key, rate, decay)
             return params, opt_state, s * np.nan if float(rate) == 0.5 else s, n
 
         return dataclasses.replace(setup, step_fn=step_fn)
@@ -297,35 +300,50 @@ def test_a_rerun_trains_only_new_jobs_and_model_is_always_the_job_result_names(
     real, trained = jobs_lib.run_job, []
 
     def counted(*args, **kwargs):
-        trained.append((args[3], args[4], kwargs.get("until_epoch")))
+        trained.append((args[3], kwargs.get("decay", 1.0), args[4], kwargs.get("until_epoch")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(jobs_lib, "run_job", counted)
     spec = ft.TaskSpec(train=task_files["classification"], name="grid")
     one = ft.Protocol(learning_rates=(1e-3,), seeds=2, epochs=2, batch_size=16, control=False)
     ft.finetune_run(tiny_run_copy, spec, one, say=lambda _: None, progress=False)
-    assert [t for t in trained if t[2] is None] == [(1e-3, 0, None), (1e-3, 1, None)]
+    assert [t for t in trained if t[3] is None] == [(1e-3, 1.0, 0, None), (1e-3, 1.0, 1, None)]
 
     def names_its_model(result):
         meta = json.loads((tiny_run_copy / "finetune" / "grid" / "model" /
                            "finetuned.json").read_text())
         sel = result["encoders"]["trained"]["selected"]
         assert meta["job"] == result["model"]
-        assert (meta["learning_rate"], meta["seed"]) == (sel["learning_rate"],
-                                                         sel["best_seed"]["seed"])
+        assert (meta["learning_rate"], meta["layer_decay"], meta["seed"]) == (
+            sel["learning_rate"], sel["layer_decay"], sel["best_seed"]["seed"])
         assert meta["metric"] == result["task"]["metric"]
+        settings = result["encoders"]["trained"]["settings"]  # the best mean validation
+        assert sel == max(settings, key=lambda x: x["validation"]["mean"])
 
     trained.clear()
     two = dataclasses.replace(one, learning_rates=(1e-3, 3e-3))
     result = ft.finetune_run(tiny_run_copy, spec, two, say=lambda _: None, progress=False)
-    assert [t for t in trained if t[2] is None] == [(3e-3, 0, None), (3e-3, 1, None)]
+    assert [t for t in trained if t[3] is None] == [(3e-3, 1.0, 0, None), (3e-3, 1.0, 1, None)]
+    names_its_model(result)
+    # a layer-decay grid beside the rates: only the new (rate, decay) jobs train, and the
+    # setting chosen on validation is one of the four
+    trained.clear()
+    four = dataclasses.replace(two, layer_decays=(1.0, 0.5))
+    result = ft.finetune_run(tiny_run_copy, spec, four, say=lambda _: None, progress=False)
+    assert [t for t in trained if t[3] is None] == [(lr, 0.5, seed, None) for lr in (1e-3, 3e-3)
+                                                     for seed in (0, 1)]
+    assert sorted((x["learning_rate"], x["layer_decay"]) for x in
+                  result["encoders"]["trained"]["settings"]) == [
+        (1e-3, 0.5), (1e-3, 1.0), (3e-3, 0.5), (3e-3, 1.0)]
+    assert (tiny_run_copy / "finetune" / "grid" / "jobs" / result["model"]["jobs"] /
+            "trained-lr0.003-ld0.5-seed1.json").is_file()
     names_its_model(result)
     # another metric re-selects from the recorded jobs: nothing trains but (at most) the
     # selected job, re-run to its kept epoch for model/
     trained.clear()
     other = ft.finetune_run(tiny_run_copy, dataclasses.replace(spec, metric="matthews"), two,
                             say=lambda _: None, progress=False)
-    assert all(t[2] is not None for t in trained) and len(trained) <= 1
+    assert all(t[3] is not None for t in trained) and len(trained) <= 1
     names_its_model(other)
 
 
@@ -618,7 +636,7 @@ def test_the_cli_says_a_bad_task_in_one_line(tiny_run, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "--label-field" in err[0]
-    for decay in ("0", "1.5"):  # a layer decay outside (0, 1]: refused before any job trains
+    for decay in ("0", "1,1.5"):  # a decay outside (0, 1]: refused before any job trains
         with pytest.raises(SystemExit) as exit_:
             main(["finetune", str(tiny_run), "--task", str(train), "--layer-decay", decay])
         assert exit_.value.code == 2

@@ -15,14 +15,14 @@ from clozax.train import compile_cache
 Opt = typer.Option
 
 
-def _rates(text: str | None) -> tuple[float, ...] | None:
+def _numbers(text: str | None, option: str, example: str) -> tuple[float, ...] | None:
     if text is None:
         return None
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"--lr {text!r} is not a comma-separated list of numbers; pass e.g. "
-                         "--lr 1e-4,3e-4") from None
+        raise ValueError(f"{option} {text!r} is not a comma-separated list of numbers; pass "
+                         f"e.g. {option} {example}") from None
 
 
 def finetune(
@@ -59,9 +59,10 @@ def finetune(
     dropout: Annotated[float, Opt(help="Head dropout.")] = 0.1,
     warmup: Annotated[float, Opt(help="Warm-up fraction of each job's steps.")] = 0.06,
     pooling: Annotated[str, Opt(help="cls, or mean (ModernBERT-style encoders).")] = "cls",
-    layer_decay: Annotated[float, Opt(help="Layer-wise learning-rate decay: layer i of L "
-                                           "trains at lr x DECAY^(L-i), the embeddings at "
-                                           "DECAY^(L+1), the head at lr (1: none).")] = 1.0,
+    layer_decay: Annotated[str, Opt(help="Layer-wise learning-rate decay: layer i of L trains "
+                                         "at lr x DECAY^(L-i), the embeddings at DECAY^(L+1), "
+                                         "the head at lr (1: none); comma-separated, a grid "
+                                         "chosen on validation with the rate.")] = "1",
     control: Annotated[bool, Opt(help="Also fine-tune the random-init encoder.")] = True,
     bf16: Annotated[bool, Opt(help="Compute in bfloat16 (parameters stay float32).")] = False,
     max_train: Annotated[int | None, Opt(help="Train on a keyed choice of this many "
@@ -99,9 +100,10 @@ def finetune(
         for record in predict_file(model_dir, predict, fields):
             print(json.dumps(record))
         return
-    protocol = ft.Protocol(learning_rates=_rates(lr), seeds=seeds, epochs=epochs,
-                           batch_size=batch_size, dropout=dropout, warmup_fraction=warmup,
-                           pooling=pooling, control=control, layer_decay=layer_decay,
+    protocol = ft.Protocol(learning_rates=_numbers(lr, "--lr", "1e-4,3e-4"),
+                           layer_decays=_numbers(layer_decay, "--layer-decay", "1,0.8"),
+                           seeds=seeds, epochs=epochs, batch_size=batch_size, dropout=dropout,
+                           warmup_fraction=warmup, pooling=pooling, control=control,
                            compute_dtype="bfloat16" if bf16 else None,
                            max_train_examples=max_train)
     from rich.console import Console

@@ -1,29 +1,31 @@
 """``clozax finetune``: judge an encoder the way the field does — fine-tune it on a labelled task
-with a learning-rate grid over several seeds, pick the rate on validation, report the test
-metric's mean ± std and its worst seed, beside the same protocol on the random-init encoder
-(the control) and, for classification, TF-IDF + logistic regression; the differences as mean
-and 95 % interval over seeds (``judge/claims.py``). The task comes from the one task stack
-(``judge/task_load.py``): validation and test examples the encoder read in pretraining are
-dropped unless ``--keep-pretraining-overlap``.
+with a grid of learning rates (and layer decays) over several seeds, pick the setting on
+validation, report the test metric's mean ± std and its worst seed, beside the same protocol on
+the random-init encoder (the control) and, for classification, TF-IDF + logistic regression;
+the differences as mean and 95 % interval over seeds (``judge/claims.py``). The task comes
+from the one task stack (``judge/task_load.py``): validation and test examples the encoder
+read in pretraining are dropped unless ``--keep-pretraining-overlap``.
 
-One job = one (encoder, learning rate, seed): AdamW (betas 0.9/0.98, eps 1e-6, weight decay
-0.01 off biases and norms, clipping 1.0) with a linear warm-up over ``warmup_fraction`` of the
-steps and a linear decay to 0, head dropout, length-bucketed batches (widths rounded up to
-``WIDTH_MULTIPLE``, so a task compiles a few shapes once, shared by every job; the persistent
-compilation cache keeps them), data parallel over the devices of this process; validation and
-test scored after every epoch, the best-validation epoch kept. A job is a pure function of
-(encoder, task, protocol, learning rate, seed): seeds repeat bitwise.
+One job = one (encoder, learning rate, layer decay, seed): AdamW (betas 0.9/0.98, eps 1e-6,
+weight decay 0.01 off biases and norms, clipping 1.0) with a linear warm-up over
+``warmup_fraction`` of the steps and a linear decay to 0, head dropout, length-bucketed batches
+(widths rounded up to ``WIDTH_MULTIPLE``, so a task compiles a few shapes once, shared by every
+job; the persistent compilation cache keeps them), data parallel over the devices of this
+process; validation and test scored after every epoch, the best-validation epoch kept. A job
+is a pure function of (encoder, task, protocol, learning rate, layer decay, seed): seeds
+repeat bitwise.
 
 On disk (``RUN/finetune/TASK/``, one writer at a time): ``jobs/KEY/`` per job settings (the
-encoder and its step, the task's digest, epochs, batch, warm-up, decay, dropout, pooling,
-dtype: ``settings.json``), one ``*.json`` per finished job — a rerun with more rates or seeds
-runs only the new jobs, a rerun with another ``--metric`` none; then ``model/`` (the selected
-job's fine-tuned model: what ``export`` and ``--predict`` read) and ``result.json``, which
-names it. While the jobs run, each rate's best trained seed so far is kept at its best epoch in
-``jobs/KEY/model-lrRATE/`` (written before the job's record commits); the selected one is
-moved into ``model/`` and the others deleted. A selection no candidate holds (jobs recorded
-by an earlier command, or another ``--metric``) re-runs that job deterministically, checked to
-reproduce its recorded validation score.
+encoder and its step, the task's digest, epochs, batch, warm-up, weight decay, dropout,
+pooling, dtype: ``settings.json``), one ``*.json`` per finished job — a rerun with more rates,
+decays or seeds runs only the new jobs, a rerun with another ``--metric`` none; then
+``model/`` (the selected job's fine-tuned model: what ``export`` and ``--predict`` read) and
+``result.json``, which names it (the setting chosen on validation:
+``judge/finetune_select.py``). While the jobs run, each setting's best trained seed so far is
+kept at its best epoch in ``jobs/KEY/model-lrRATE[-ldDECAY]/`` (written before the job's record
+commits); the selected one is moved into ``model/`` and the others deleted. A selection no
+candidate holds (jobs recorded by an earlier command, or another ``--metric``) re-runs that
+job deterministically, checked to reproduce its recorded validation score.
 """
 
 from __future__ import annotations
@@ -46,65 +48,18 @@ from clozax.judge import finetune_tasks as tasks
 from clozax.judge.baselines import constant_baseline, tfidf_baseline
 from clozax.judge.claims import accounting_lines, difference_words, seed_difference
 from clozax.judge.finetune_jobs import ADAM, Protocol
+from clozax.judge.finetune_select import decay_of, seed_rank, summarise
 from clozax.judge.task_load import TaskSpec, cap_train, load_task
 from clozax.train import finetuned
 from clozax.train.interrupts import Interrupts
 from clozax.train.run_dir import load_run
 
-__all__ = ["Protocol", "TaskSpec", "finetune_run", "load_task", "summary_table", "task_dir"]
+__all__ = ["Protocol", "TaskSpec", "finetune_run", "load_task", "summarise", "summary_table",
+           "task_dir"]
 RESULT_FILE = "result.json"
 ENCODERS = ("trained", "random_init")
 REPRODUCE_TOLERANCE = 1e-6  # the re-run selected job's validation score vs its record
-CANDIDATE_PREFIX = "model-lr"  # jobs/KEY/model-lrRATE/: a rate's best trained seed so far
-
-
-# --------------------------------------------------------------------------- selection
-
-
-def _spread(values: list[float], higher_is_better: bool = True) -> dict:
-    a = np.asarray(values, np.float64)
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0,
-            "worst": float(a.min() if higher_is_better else a.max()),
-            "per_seed": [float(v) for v in a]}
-
-
-def _seed_rank(validation_score: float, seed: int) -> tuple:
-    """Within one rate, the seed kept as the model: the best validation score, then the lower
-    seed (``summarise``'s choice and the candidate kept while the jobs run)."""
-    return validation_score, -seed
-
-
-def summarise(records: list[dict], metric: str) -> dict:
-    """Per learning rate: each seed's best-validation epoch, validation and test spreads; the
-    rate chosen on mean validation, and its best-validation seed (the model kept). A rate where
-    a seed diverged is recorded (each seed's step), never chosen; all: one line."""
-    by_lr: dict[float, list[dict]] = {}
-    for r in records:
-        by_lr.setdefault(r["learning_rate"], []).append(r)
-    settings, diverged = [], []
-    for lr, rs in sorted(by_lr.items()):
-        rs = sorted(rs, key=lambda r: r["seed"])
-        if any("diverged" in r for r in rs):
-            diverged.append({"learning_rate": lr, "seeds": {
-                str(r["seed"]): r["diverged"] for r in rs if "diverged" in r}})
-            continue
-        epochs = [jobs_lib.best_epoch(r, metric) for r in rs]
-        kept = [r["per_epoch"][e - 1] for r, e in zip(rs, epochs, strict=True)]
-        val = [k["validation"][metric] for k in kept]
-        best = max(range(len(rs)), key=lambda k: _seed_rank(val[k], rs[k]["seed"]))
-        settings.append({"learning_rate": lr, "seeds": [r["seed"] for r in rs],
-                         "epochs": epochs, "validation": _spread(val),
-                         "test": {m: _spread([k["test"][m] for k in kept])
-                                  for m in sorted(kept[0]["test"])},
-                         "best_seed": {"seed": rs[best]["seed"], "epoch": epochs[best],
-                                       "validation": kept[best]["validation"]},
-                         "seconds_per_job": float(np.mean([r["seconds"] for r in rs]))})
-    if not settings:
-        rates = ", ".join(f"{d['learning_rate']:g}" for d in diverged)
-        raise ValueError(f"fine-tuning diverged at every learning rate ({rates}); pass lower "
-                         "rates with --lr")
-    chosen = max(settings, key=lambda s: (s["validation"]["mean"], -s["learning_rate"]))
-    return {"settings": settings, "selected": chosen, "diverged": diverged}
+CANDIDATE_PREFIX = "model-lr"  # jobs/KEY/model-lrRATE[-ldDECAY]/: a setting's best seed so far
 
 
 # --------------------------------------------------------------------------- the protocol
@@ -118,15 +73,19 @@ def job_settings(run, task: tasks.Task, protocol: Protocol) -> dict:
         for ids, y in zip(sp.ids, sp.y, strict=True):
             digest.update(np.asarray(ids, np.int32).tobytes())
             digest.update(json.dumps(np.asarray(y).tolist()).encode())
-    keep = {k: v for k, v in asdict(protocol).items()
-            if k not in ("learning_rates", "seeds", "control")}
+    keep = {k: v for k, v in asdict(protocol).items()  # the grid's axes are in each job's name
+            if k not in ("learning_rates", "layer_decays", "seeds", "control")}
     return {"run": str(Path(run.path).absolute()), "step": run.step,
             "task_sha256": digest.hexdigest(), "labels": task.labels, "kind": task.kind,
             "encoder_dropout": run.config.model.dropout, "protocol": keep}
 
 
-def _job_name(encoder: str, lr: float, seed: int) -> str:
-    return f"{encoder}-lr{lr:g}-seed{seed}"
+def _job_name(encoder: str, lr: float, decay: float, seed: int) -> str:
+    return f"{encoder}-lr{lr:g}{_decay_tag(decay)}-seed{seed}"
+
+
+def _decay_tag(decay: float) -> str:
+    return "" if decay == 1 else f"-ld{decay:g}"
 
 
 def finetune_run(run_dir: Path, spec: TaskSpec | None = None, protocol: Protocol | None = None,
@@ -175,8 +134,8 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     encoders = {"trained": run.params}
     if protocol.control:
         encoders["random_init"] = init_params(run.config.model, run.config.train.seed)
-    todo = [(e, lr, s) for e in encoders for lr in protocol.learning_rates
-            for s in range(protocol.seeds)]
+    todo = [(e, lr, d, s) for e in encoders for lr in protocol.learning_rates
+            for d in protocol.layer_decays for s in range(protocol.seeds)]
     pending = [j for j in todo if not (jobs_dir / f"{_job_name(*j)}.json").is_file()]
     if len(pending) < len(todo):
         say(f"{out}: {len(todo) - len(pending)} of {len(todo)} jobs already done; running "
@@ -186,14 +145,13 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
                                                      record, params))
     stop.raise_if_requested(f"every job ran and is kept in {jobs_dir}; run the same command "
                             "to select and write the model")
-    records = {e: [files.read_json(jobs_dir / f"{_job_name(e, lr, s)}.json")
-                   for lr in protocol.learning_rates for s in range(protocol.seeds)]
-               for e in encoders}
+    records = {e: [files.read_json(jobs_dir / f"{_job_name(*j)}.json") for j in todo
+                   if j[0] == e] for e in encoders}
     results = {e: summarise(rs, task.metric) for e, rs in records.items()}
     (out / RESULT_FILE).unlink(missing_ok=True)  # never beside a model/ it does not name
     model = _selected_model(run, task, protocol, setup, results["trained"]["selected"], key,
                             out, say)
-    for candidate in jobs_dir.glob(f"{CANDIDATE_PREFIX}*"):  # rates not selected: model/ is written
+    for candidate in jobs_dir.glob(f"{CANDIDATE_PREFIX}*"):  # the rest: model/ is written
         shutil.rmtree(candidate, ignore_errors=True)
     result = _result(run, task, protocol, setup, results, started)
     result["model"] = model
@@ -207,23 +165,23 @@ def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
     ``keep_candidate``); a signal stops between two jobs."""
     bar = _bar(progress, len(pending) * setup.steps)
     try:
-        for done, (encoder, lr, seed) in enumerate(pending):
+        for done, (encoder, lr, decay, seed) in enumerate(pending):
             stop.raise_if_requested(
                 f"{done} of {len(pending)} pending jobs ran and are kept in {jobs_dir}; run "
                 "the same command to run the rest")
-            name = _job_name(encoder, lr, seed)
+            name = _job_name(encoder, lr, decay, seed)
             if bar is not None:
                 bar[0].update(bar[1], description=name)
             record, best = jobs_lib.run_job(setup, task, encoders[encoder], lr, seed,
                                             None if bar is None else
                                             (lambda n: bar[0].advance(bar[1], n)),
-                                            keep_best=encoder == "trained")
+                                            keep_best=encoder == "trained", decay=decay)
             if best is not None:
                 keep_candidate(record, best)
             files.write_json(jobs_dir / f"{name}.json", record)  # the job's commit
             if "diverged" in record:
                 say(f"{name}: diverged at step {record['diverged']['step']} (loss "
-                    f"{record['diverged']['loss']}); this rate is not selected")
+                    f"{record['diverged']['loss']}); this setting is not selected")
             elif bar is None:
                 e = jobs_lib.best_epoch(record, task.metric)
                 kept = record["per_epoch"][e - 1]
@@ -235,11 +193,11 @@ def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
             bar[0].stop()
 
 
-def _job_identity(key: str, learning_rate: float, seed: int, epoch: int,
+def _job_identity(key: str, learning_rate: float, decay: float, seed: int, epoch: int,
                   validation: dict) -> dict:
     """What ``model/`` names (``finetuned.json``'s and ``result.json``'s ``job``)."""
-    return {"jobs": key, "learning_rate": learning_rate, "seed": seed, "epoch": epoch,
-            "validation": validation}
+    return {"jobs": key, "learning_rate": learning_rate, "layer_decay": decay, "seed": seed,
+            "epoch": epoch, "validation": validation}
 
 
 def _write_model(dest: Path, run, task, protocol, setup, job: dict, params) -> None:
@@ -248,55 +206,59 @@ def _write_model(dest: Path, run, task, protocol, setup, job: dict, params) -> N
         "pooling": protocol.pooling, "task": task.name, "metric": task.metric,
         "source_run": str(Path(run.path).absolute()), "source_step": run.step,
         "seq_len": setup.seq_len, "specials": run.specials, "learning_rate":
-        job["learning_rate"], "seed": job["seed"], "validation": job["validation"],
+        job["learning_rate"], "layer_decay": job["layer_decay"], "seed": job["seed"],
+        "validation": job["validation"],
         "dropout": protocol.dropout, "job": job}, run.tokenizer_path)
 
 
-def _candidate_dir(jobs_dir: Path, learning_rate: float) -> Path:
-    return jobs_dir / f"{CANDIDATE_PREFIX}{learning_rate:g}"
+def _candidate_dir(jobs_dir: Path, learning_rate: float, decay: float) -> Path:
+    return jobs_dir / f"{CANDIDATE_PREFIX}{learning_rate:g}{_decay_tag(decay)}"
 
 
 def _keep_candidate(run, task, protocol, setup, key: str, jobs_dir: Path, record: dict,
                     params) -> None:
-    """Keep a finished trained job's best-epoch model as its rate's candidate when it beats
-    the one kept (``summarise``'s order within a rate: validation, then the lower seed)."""
+    """Keep a finished trained job's best-epoch model as its setting's candidate when it beats
+    the one kept (``summarise``'s order within a setting: validation, then the lower seed)."""
     if "diverged" in record:
         return
     epoch = jobs_lib.best_epoch(record, task.metric)
-    job = _job_identity(key, record["learning_rate"], record["seed"], epoch,
+    job = _job_identity(key, record["learning_rate"], decay_of(record), record["seed"], epoch,
                         record["per_epoch"][epoch - 1]["validation"])
-    dest = _candidate_dir(jobs_dir, record["learning_rate"])
+    dest = _candidate_dir(jobs_dir, record["learning_rate"], decay_of(record))
     kept = files.read_json(dest / finetuned.META_FILE)
-    if kept is not None and _seed_rank(kept["job"]["validation"][task.metric],
+    if kept is not None and seed_rank(kept["job"]["validation"][task.metric],
                                        kept["job"]["seed"]) >= \
-            _seed_rank(job["validation"][task.metric], job["seed"]):
+            seed_rank(job["validation"][task.metric], job["seed"]):
         return
     _write_model(dest, run, task, protocol, setup, job, params)
 
 
 def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: Path,
                     say) -> dict:
-    """``model/``: the selected rate's best-validation seed at its best epoch. Kept when it is
-    already that job; moved from the rate's candidate when that is the job; otherwise the job
-    is re-run (it is deterministic) and must reproduce its recorded validation score."""
+    """``model/``: the selected setting's best-validation seed at its best epoch. Kept when
+    it is already that job; moved from the setting's candidate when that is the job; otherwise
+    the job is re-run (it is deterministic) and must reproduce its recorded validation score."""
     best = selected["best_seed"]
-    job = _job_identity(key, selected["learning_rate"], best["seed"], best["epoch"],
-                        best["validation"])
+    job = _job_identity(key, selected["learning_rate"], selected["layer_decay"], best["seed"],
+                        best["epoch"], best["validation"])
     meta = out / "model" / finetuned.META_FILE
     if meta.is_file() and files.read_json(meta).get("job") == job:
         return job
-    say(f"{out}: writing model/ — learning rate {job['learning_rate']:g}, seed {job['seed']}, "
-        f"epoch {job['epoch']}")
-    candidate = _candidate_dir(out / "jobs" / key, job["learning_rate"])
+    decay = "" if job["layer_decay"] == 1 else f", layer decay {job['layer_decay']:g}"
+    say(f"{out}: writing model/ — learning rate {job['learning_rate']:g}{decay}, seed "
+        f"{job['seed']}, epoch {job['epoch']}")
+    candidate = _candidate_dir(out / "jobs" / key, job["learning_rate"], job["layer_decay"])
     if (files.read_json(candidate / finetuned.META_FILE) or {}).get("job") == job:
         files.publish_dir(candidate, out / "model")
         return job
     record, params = jobs_lib.run_job(setup, task, run.params, job["learning_rate"],
-                                      job["seed"], until_epoch=job["epoch"])
+                                      job["seed"], until_epoch=job["epoch"],
+                                      decay=job["layer_decay"])
     got = record["per_epoch"][-1]["validation"][task.metric]
     want = best["validation"][task.metric]
     if abs(got - want) > REPRODUCE_TOLERANCE:
-        raise ValueError(f"the selected job (lr {job['learning_rate']:g}, seed {job['seed']}) "
+        raise ValueError(f"the selected job (lr {job['learning_rate']:g}{decay}, seed "
+                         f"{job['seed']}) "
                          f"scored validation {task.metric} {got:.6f} on re-running, not its "
                          f"recorded {want:.6f}; run on the devices it ran on, or delete "
                          f"{out / 'jobs'} to retrain")
@@ -363,9 +325,11 @@ def summary_table(result: dict):
     t, metric = result["task"], result["task"]["metric"]
     ex = t["examples"]
     kept = (t.get("pretraining_overlap") or {}).get("excluded") is False
+    chosen = "rate" if len(result["protocol"].get("layer_decays", (1,))) == 1 else \
+        "rate and layer decay"
     table = Table(title=f"finetune {t['name']} ({t['kind']}): train {ex['train']}, validation "
                         f"{ex['validation']}, test {ex['test']}; test {metric}, mean ± std "
-                        f"over {result['protocol']['seeds']} seeds at the rate chosen on "
+                        f"over {result['protocol']['seeds']} seeds at the {chosen} chosen on "
                         "validation" + ("; PRETRAINING OVERLAP KEPT" if kept else ""))
     for name, justify in (("encoder", "left"), ("lr", "right"), (f"test {metric}", "right"),
                           ("worst seed", "right"), ("also", "left"), ("s / job", "right")):
@@ -375,11 +339,11 @@ def summary_table(result: dict):
         m = s["test"][metric]
         also = ", ".join(f"{c} {s['test'][c]['mean']:.4f}" for c in COMPANIONS.get(metric, ())
                          if c in s["test"])
-        table.add_row(name, f"{s['learning_rate']:g}", f"{m['mean']:.4f} ± {m['std']:.4f}",
+        table.add_row(name, _setting_words(s), f"{m['mean']:.4f} ± {m['std']:.4f}",
                       f"{m['worst']:.4f}", also, f"{s['seconds_per_job']:.1f}")
         for d in r.get("diverged", []):
             steps = ", ".join(f"seed {k} at step {v['step']}" for k, v in d["seeds"].items())
-            table.add_row(name, f"{d['learning_rate']:g}", "diverged", steps, "", "")
+            table.add_row(name, _setting_words(d), "diverged", steps, "", "")
     if "tfidf" in result:
         table.add_row("TF-IDF + logistic regression", f"C={result['tfidf']['C']:g}",
                       f"{result['tfidf']['test'][metric]:.4f}", "", "", "")
@@ -391,6 +355,12 @@ def summary_table(result: dict):
             table.add_row(label, "", difference_words(result[key]), "", "", "")
     table.caption = "\n".join(accounting_lines(t))
     return table
+
+
+def _setting_words(setting: dict) -> str:
+    """``1e-3``, or ``1e-3, decay 0.8`` for a setting with layer-wise decay."""
+    decay = setting.get("layer_decay", 1.0)
+    return f"{setting['learning_rate']:g}" + ("" if decay == 1 else f", decay {decay:g}")
 
 
 def result_of(run_dir: Path, name: str) -> dict:

@@ -48,7 +48,7 @@ class Protocol:
     control: bool = True  # also fine-tune the random-init encoder
     compute_dtype: str | None = None  # None: the run's
     max_train_examples: int | None = None  # a keyed choice of this many training examples
-    layer_decay: float = 1.0  # layer-wise learning-rate decay (``layer_rates``); 1: none
+    layer_decays: tuple[float, ...] = (1.0,)  # layer-wise decay grid (``layer_rates``); 1: none
 
     def __post_init__(self):
         if self.learning_rates is not None and (not self.learning_rates or any(
@@ -66,9 +66,9 @@ class Protocol:
             raise ValueError(f"compute dtype {self.compute_dtype!r} is not float32 or bfloat16")
         if self.max_train_examples is not None and self.max_train_examples < 2:
             raise ValueError("max_train_examples must be at least 2")
-        if not 0 < self.layer_decay <= 1:
-            raise ValueError(f"layer decay {self.layer_decay} must be in (0, 1]; pass e.g. "
-                             "--layer-decay 0.8, or 1 for none")
+        if not self.layer_decays or any(not 0 < d <= 1 for d in self.layer_decays):
+            raise ValueError(f"layer decays {self.layer_decays} must be in (0, 1]; pass e.g. "
+                             "--layer-decay 0.8, or 1 for none, or a grid: --layer-decay 1,0.8")
 
 
 # --------------------------------------------------------------------------- batches
@@ -127,16 +127,17 @@ def layer_rates(params, layers: int, decay: float):
     (Bao et al. 2021; Clark et al. 2020): the task head and what sits above the last layer
     (the final norm) 1, layer i of L (0 the lowest) ``decay ** (L - i)``, the embeddings
     ``decay ** (L + 1)``. A pytree like ``params`` ({"encoder": ..., "head": ...}); the
-    stacked layers' factors are (L, 1, ...), one per layer."""
-    per_layer = decay ** np.arange(layers, 0, -1, dtype=np.float64)  # (L,) the lowest first
+    stacked layers' factors are (L, 1, ...), one per layer. ``decay`` may be traced (the
+    fine-tuning step's argument, as its rate is); 1 gives factors of exactly 1."""
+    decay = jnp.asarray(decay, jnp.float32)
+    per_layer = decay ** jnp.arange(layers, 0, -1, dtype=jnp.float32)  # (L,) the lowest first
 
     def rate(path, leaf):
         where = [getattr(k, "key", None) for k in path[:2]]
         if where == ["encoder", "layers"]:
-            return jnp.asarray(per_layer.reshape((layers,) + (1,) * (leaf.ndim - 1)),
-                               jnp.float32)
+            return per_layer.reshape((layers,) + (1,) * (leaf.ndim - 1))
         if where == ["encoder", "embeddings"]:
-            return jnp.float32(decay ** (layers + 1))
+            return decay ** jnp.float32(layers + 1)
         return jnp.float32(1.0)
 
     return jax.tree_util.tree_map_with_path(rate, params)
@@ -179,16 +180,11 @@ def make_setup(model_config, task: tasks.Task, protocol: Protocol, pad: int,
         down = (steps - count) / max(steps - warm, 1)
         return jnp.clip(jnp.where(count < warm, up, down), 0.0, 1.0)
 
-    by_layer = []  # layer-wise decay scales each parameter's step by its layer's factor
-    if protocol.layer_decay < 1:
-        by_layer = [optax.stateless(lambda updates, params: jax.tree.map(
-            lambda u, r: r * u, updates, layer_rates(params, c.layers, protocol.layer_decay)))]
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.scale_by_adam(**ADAM),
         optax.add_decayed_weights(protocol.weight_decay, mask=model_lib.decay_mask),
         optax.scale_by_schedule(shape),
-        *by_layer,
     )
 
     def logits(params, batch, key):  # key None: evaluation, no dropout anywhere
@@ -203,10 +199,11 @@ def make_setup(model_config, task: tasks.Task, protocol: Protocol, pad: int,
                                             batch["weight"])
         return total / jnp.maximum(count, 1.0), (total, count)
 
-    def step(params, opt_state, batch, key, lr):
+    def step(params, opt_state, batch, key, lr, decay):  # one program for every (lr, decay)
         (_, (total, count)), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        updates = jax.tree.map(lambda u: -lr * u, updates)
+        rates = layer_rates(params, c.layers, decay)  # each parameter's share of lr
+        updates = jax.tree.map(lambda u, r: -lr * r * u, updates, rates)
         return optax.apply_updates(params, updates), opt_state, total, count
 
     devices = jax.devices()
@@ -283,9 +280,10 @@ def best_epoch(record: dict, metric: str) -> int:
 
 
 def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
-            advance=None, until_epoch: int | None = None,
-            keep_best: bool = False) -> tuple[dict, dict]:
-    """Fine-tune ``encoder`` once, scoring validation and test after every epoch; returns
+            advance=None, until_epoch: int | None = None, keep_best: bool = False,
+            decay: float = 1.0) -> tuple[dict, dict]:
+    """Fine-tune ``encoder`` once at rate ``lr`` and layer decay ``decay``, scoring validation
+    and test after every epoch; returns
     (record, params after the last epoch run) — or, ``keep_best``, a host copy of the params at
     the best-validation epoch (``best_epoch``: the model the job would be selected with).
     ``until_epoch`` stops after that epoch (the schedule still spans every epoch: the same
@@ -300,7 +298,7 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
     opt_state = jax.device_put(setup.optimizer.init(params), where)
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
     split, protocol = task.splits["train"], setup.protocol
-    rate = jnp.float32(lr)
+    rate, by_layer = jnp.float32(lr), jnp.float32(decay)
     step, losses, per_epoch, best = 0, [], [], None
     for epoch in range(until_epoch or protocol.epochs):
         total = count = 0.0
@@ -308,14 +306,15 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
         for idx in batches(split, protocol.batch_size, setup.seq_len, rng):
             b = arrays(split, idx, protocol.batch_size, setup.kind, setup.pad, setup.seq_len)
             params, opt_state, s, n = setup.step_fn(params, opt_state, _device(setup, b),
-                                                    jax.random.fold_in(dropout_key, step), rate)
+                                                    jax.random.fold_in(dropout_key, step), rate,
+                                                    by_layer)
             total, count = total + s, count + n
             step += 1
             if advance is not None:
                 advance(1)
         losses.append(float(total) / max(float(count), 1.0))
         if not np.isfinite(losses[-1]):  # a result, not an error: the protocol goes on
-            return {"learning_rate": lr, "seed": seed, "steps": step,
+            return {"learning_rate": lr, "layer_decay": decay, "seed": seed, "steps": step,
                     "train_loss_per_epoch": [x if np.isfinite(x) else str(x) for x in losses],
                     "diverged": {"epoch": epoch + 1, "step": step, "loss": str(losses[-1])},
                     "seconds": round(time.perf_counter() - started, 2)}, None
@@ -323,7 +322,7 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
                           "test": score_tests(setup, task, params)})
         if keep_best and best_epoch({"per_epoch": per_epoch}, task.metric) == epoch + 1:
             best = jax.device_get(params)
-    record = {"learning_rate": lr, "seed": seed, "steps": step,
+    record = {"learning_rate": lr, "layer_decay": decay, "seed": seed, "steps": step,
               "train_loss_per_epoch": losses, "per_epoch": per_epoch,
               "seconds": round(time.perf_counter() - started, 2)}
     return record, best if keep_best else params
