@@ -636,12 +636,15 @@ def test_the_cli_says_a_bad_task_in_one_line(tiny_run, tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "--label-field" in err[0]
-    for decay in ("0", "1,1.5"):  # a decay outside (0, 1]: refused before any job trains
-        with pytest.raises(SystemExit) as exit_:
-            main(["finetune", str(tiny_run), "--task", str(train), "--layer-decay", decay])
+    for option, value, says in (("--layer-decay", "0", "--layer-decay 0.8"),
+                                ("--layer-decay", "1,1.5", "--layer-decay 0.8"),
+                                ("--layer-decay", "1,0.8,1", "lists a value twice"),
+                                ("--lr", "1e-3,1e-3", "lists a value twice")):
+        with pytest.raises(SystemExit) as exit_:  # refused before any job trains
+            main(["finetune", str(tiny_run), "--task", str(train), option, value])
         assert exit_.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "--layer-decay 0.8" in err[0], err
+        assert len(err) == 1 and says in err[0] and option in err[0], err
     trained = load_run(tiny_run).trained_length
     for length, says in (("4", "pass at least 8"), (str(trained + 1), f"at most {trained}")):
         with pytest.raises(SystemExit) as exit_:  # no room for a text; positions never trained

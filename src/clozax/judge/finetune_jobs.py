@@ -69,6 +69,11 @@ class Protocol:
         if not self.layer_decays or any(not 0 < d <= 1 for d in self.layer_decays):
             raise ValueError(f"layer decays {self.layer_decays} must be in (0, 1]; pass e.g. "
                              "--layer-decay 0.8, or 1 for none, or a grid: --layer-decay 1,0.8")
+        for option, grid in (("--lr", self.learning_rates or ()), ("--layer-decay",
+                                                                   self.layer_decays)):
+            if len(set(grid)) < len(grid):  # one job per (rate, decay, seed): never two
+                raise ValueError(f"{option} lists a value twice ({', '.join(map(str, grid))}); "
+                                 "give each once")
 
 
 # --------------------------------------------------------------------------- batches
@@ -283,9 +288,9 @@ def run_job(setup: Setup, task: tasks.Task, encoder: dict, lr: float, seed: int,
             advance=None, until_epoch: int | None = None, keep_best: bool = False,
             decay: float = 1.0) -> tuple[dict, dict]:
     """Fine-tune ``encoder`` once at rate ``lr`` and layer decay ``decay``, scoring validation
-    and test after every epoch; returns
-    (record, params after the last epoch run) — or, ``keep_best``, a host copy of the params at
-    the best-validation epoch (``best_epoch``: the model the job would be selected with).
+    and test after every epoch; returns (record, params after the last epoch run) — or,
+    ``keep_best``, a host copy of the params at the best-validation epoch (``best_epoch``: the
+    model the job would be selected with).
     ``until_epoch`` stops after that epoch (the schedule still spans every epoch: the same
     weights the full job had then). ``advance(n)`` hears progress."""
     started = time.perf_counter()
