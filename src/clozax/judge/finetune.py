@@ -244,9 +244,9 @@ def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: P
     meta = out / "model" / finetuned.META_FILE
     if meta.is_file() and files.read_json(meta).get("job") == job:
         return job
-    decay = "" if job["layer_decay"] == 1 else f", layer decay {job['layer_decay']:g}"
-    say(f"{out}: writing model/ — learning rate {job['learning_rate']:g}{decay}, seed "
-        f"{job['seed']}, epoch {job['epoch']}")
+    setting = _setting_words(job)  # "0.001", or "0.001, decay 0.8"
+    say(f"{out}: writing model/ — learning rate {setting}, seed {job['seed']}, epoch "
+        f"{job['epoch']}")
     candidate = _candidate_dir(out / "jobs" / key, job["learning_rate"], job["layer_decay"])
     if (files.read_json(candidate / finetuned.META_FILE) or {}).get("job") == job:
         files.publish_dir(candidate, out / "model")
@@ -257,8 +257,7 @@ def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: P
     got = record["per_epoch"][-1]["validation"][task.metric]
     want = best["validation"][task.metric]
     if abs(got - want) > REPRODUCE_TOLERANCE:
-        raise ValueError(f"the selected job (lr {job['learning_rate']:g}{decay}, seed "
-                         f"{job['seed']}) "
+        raise ValueError(f"the selected job (lr {setting}, seed {job['seed']}) "
                          f"scored validation {task.metric} {got:.6f} on re-running, not its "
                          f"recorded {want:.6f}; run on the devices it ran on, or delete "
                          f"{out / 'jobs'} to retrain")
