@@ -28,7 +28,7 @@ from clozax.train import loop as train_lib
 from clozax.train import step as step_lib
 from clozax.train.run_dir import abstract_state, load_run
 from commands import one_line_error
-from conftest import TINY_OVERRIDES, simulated_devices
+from conftest import TINY_OVERRIDES, record_step_constants, simulated_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -443,6 +443,24 @@ def test_continued_pretraining_starts_from_the_other_runs_parameters(tiny_run, s
     bound = optim.learning_rate * (1 + optim.weight_decay * np.abs(source).max())
     assert np.abs(continued - source).max() <= bound * (1 + 1e-5)
     assert np.abs(continued - fresh).max() > 1e-2
+
+
+@pytest.mark.parametrize("preset, extra", [
+    ("tiny", ('masking.unit="word"',)),
+    ("modern-tiny", ("masking.rate=0.4", "masking.rate_end=0.15", "masking.ramp_steps=2")),
+])
+def test_the_train_step_closes_over_host_constants_only(stdlib_data, tmp_path, monkeypatch,
+                                                        preset, extra):
+    """No device array is a constant of the compiled step: on a GPU it is copied to the host to
+    become one, and the loop's no-host-transfer guard refused `clozax train` outright (the
+    masker's special-token table, 2026-12-04, an H200). Word masking and a mask ramp trace the
+    masker's other branches."""
+    constants = record_step_constants(monkeypatch)
+    train_lib.train(stdlib_data, tmp_path / "run", _cfg("train.steps=2", *extra, preset=preset))
+    assert constants, "the loop compiled no step through programs.jax.jit"
+    on_device = [type(c).__name__ for consts in constants for c in consts
+                 if isinstance(c, jax.Array)]
+    assert not on_device, f"{len(on_device)} device arrays closed over by the train step"
 
 
 def _trajectory(ds, cfg, steps=10):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from clozax.core import masking
 from clozax.core.vocab import Vocabulary
@@ -28,14 +29,17 @@ def make_masker(masking_config, vocab: Vocabulary, seq_len: int):
     count = masking.selection_count(masking_config.heldout_rate, seq_len)
     slots = masking.selection_count(max(masking_config.rate, masking_config.heldout_rate),
                                     seq_len)
-    special_table = jnp.asarray(vocab.special_table())
-    random_ids = jnp.asarray(masking.allowed_random_ids(vocab.size, vocab.special_ids))
+    # Host arrays, made constants of each program that traces the masker: a device array
+    # closed over would be copied back to the host to become one, which a GPU run's
+    # no-host-transfer guard around the train step refuses.
+    special_table = np.asarray(vocab.special_table())  # (vocab,) bool
+    random_ids = np.asarray(masking.allowed_random_ids(vocab.size, vocab.special_ids))
     policy = masking_config.policy
     mask_id = int(vocab.specials["mask"])
 
     def masker(key, batch, step=None):
         tokens, segments = batch["tokens"], batch["segments"]
-        eligible = ~special_table[tokens] & (segments > 0)  # (batch, seq)
+        eligible = ~jnp.asarray(special_table)[tokens] & (segments > 0)  # (batch, seq)
         select_key, corrupt_key = jax.random.split(key)
         n, active = count, None
         if ramp and step is not None:
@@ -48,7 +52,8 @@ def make_masker(masking_config, vocab: Vocabulary, seq_len: int):
         else:
             selection = masking.select_fixed(select_key, eligible, n, active)
         selected = masking.selection_mask(selection, tokens.shape[1])
-        masked = masking.corrupt(corrupt_key, tokens, selected, policy, mask_id, random_ids)
+        masked = masking.corrupt(corrupt_key, tokens, selected, policy, mask_id,
+                                 jnp.asarray(random_ids))
         return masked, selection
 
     return masker
