@@ -171,31 +171,3 @@ def two_document_batch(vocab: int, lengths, count: int, seed: int = 0) -> dict:
     segments = np.where(mask, segments, 0).astype(np.int32)
     positions = np.stack([rng.choice(n, count, replace=False) for n in lengths]).astype(np.int32)
     return {"inputs": inputs, "mask": mask, "segments": segments, "positions": positions}
-
-
-def record_step_constants(monkeypatch) -> list:
-    """Make each train step the loop compiles first be traced with its real arguments; the
-    returned list receives each program's closed-over constants (``ClosedJaxpr.consts``).
-
-    A device array a traced function closes over becomes such a constant by a copy to the host,
-    which the loop's no-host-transfer guard refuses on a GPU (on CPU the copy is free and the
-    guard lets it pass), so the constants are where a CPU test can see that failure."""
-    import types
-
-    import jax
-
-    from clozax.train import programs
-
-    constants, real_jit = [], jax.jit
-
-    def jit(fn, **kwargs):
-        compiled = real_jit(fn, **kwargs)
-
-        def call(*args):
-            constants.append(jax.make_jaxpr(fn)(*args).consts)  # before the donation
-            return compiled(*args)
-
-        return call
-
-    monkeypatch.setattr(programs, "jax", types.SimpleNamespace(jit=jit))
-    return constants

@@ -28,7 +28,7 @@ from clozax.train import loop as train_lib
 from clozax.train import step as step_lib
 from clozax.train.run_dir import abstract_state, load_run
 from commands import one_line_error
-from conftest import TINY_OVERRIDES, record_step_constants, simulated_devices
+from conftest import TINY_OVERRIDES, simulated_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -445,6 +445,32 @@ def test_continued_pretraining_starts_from_the_other_runs_parameters(tiny_run, s
     assert np.abs(continued - fresh).max() > 1e-2
 
 
+def _record_step_constants(monkeypatch) -> list:
+    """Make each train step the loop compiles first be traced with its real arguments; the
+    returned list receives each program's closed-over constants (``ClosedJaxpr.consts``).
+
+    A device array a traced function closes over becomes such a constant by a copy to the host,
+    which the loop's no-host-transfer guard refuses on a GPU (on CPU the copy is free and the
+    guard lets it pass), so the constants are where a CPU test can see that failure."""
+    import types
+
+    from clozax.train import programs
+
+    constants, real_jit = [], jax.jit
+
+    def jit(fn, **kwargs):
+        compiled = real_jit(fn, **kwargs)
+
+        def call(*args):
+            constants.append(jax.make_jaxpr(fn)(*args).consts)  # before the donation
+            return compiled(*args)
+
+        return call
+
+    monkeypatch.setattr(programs, "jax", types.SimpleNamespace(jit=jit))
+    return constants
+
+
 @pytest.mark.parametrize("preset, extra", [
     ("tiny", ('masking.unit="word"',)),
     ("modern-tiny", ("masking.rate=0.4", "masking.rate_end=0.15", "masking.ramp_steps=2")),
@@ -455,7 +481,7 @@ def test_the_train_step_closes_over_host_constants_only(stdlib_data, tmp_path, m
     become one, and the loop's no-host-transfer guard refused `clozax train` outright (the
     masker's special-token table, 2026-12-04, an H200). Word masking and a mask ramp trace the
     masker's other branches."""
-    constants = record_step_constants(monkeypatch)
+    constants = _record_step_constants(monkeypatch)
     train_lib.train(stdlib_data, tmp_path / "run", _cfg("train.steps=2", *extra, preset=preset))
     assert constants, "the loop compiled no step through programs.jax.jit"
     on_device = [type(c).__name__ for consts in constants for c in consts
