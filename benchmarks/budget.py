@@ -31,6 +31,9 @@ import downstream
 ROOT = Path(__file__).resolve().parents[1]
 
 
+VOCAB = 8192  # the demo's BPE vocabulary, the candidates' default
+
+
 @dataclass(frozen=True)
 class Candidate:
     what: str
@@ -38,6 +41,7 @@ class Candidate:
     recipe: str | None = "budget"
     seq_len: int = 128
     sets: tuple[str, ...] = field(default_factory=tuple)
+    vocab_size: int = VOCAB  # the dataset's BPE vocabulary
 
 
 CANDIDATES = {
@@ -51,6 +55,8 @@ CANDIDATES = {
                      "1-sqrt to 0.02)", sets=("optim.optimizer=stable_adamw",
                                               "optim.schedule=1-sqrt", "optim.decay_fraction=0.2",
                                               "optim.end_lr_fraction=0.02")),
+    "vocab4k": Candidate("budget on a 4,096-token vocabulary (each embedding row seen twice as "
+                         "often in the minutes)", vocab_size=4096),
     "narrow-deep": Candidate("budget, 6 x 192 (heads 3, MLP 768)",
                              sets=("model.layers=6", "model.hidden=192", "model.heads=3",
                                    "model.intermediate=768")),
@@ -69,17 +75,17 @@ CANDIDATES = {
     "modern-shallow": Candidate("modern, 4 layers instead of 6 (small's depth: more steps in "
                                 "the minutes)", preset="modern-small", sets=("model.layers=4",)),
 }
-DATA = {"corpus": "stdlib", "vocab_size": 8192, "heldout_fraction": 0.05, "seed": 0}
+DATA = {"corpus": "stdlib", "heldout_fraction": 0.05, "seed": 0}
 
 
-def prepared(out: Path, seq_len: int) -> Path:
-    """The built-in corpus at ``seq_len``-token rows (the demo's split and tokenizer settings:
-    BPE, lowercase, ``DATA``)."""
-    target = out / f"data-{seq_len}"
+def prepared(out: Path, seq_len: int, vocab_size: int = VOCAB) -> Path:
+    """The built-in corpus at ``seq_len``-token rows on a ``vocab_size`` BPE vocabulary (the
+    demo's split and tokenizer settings: lowercase, ``DATA``)."""
+    target = out / (f"data-{seq_len}" if vocab_size == VOCAB else f"data-{seq_len}-v{vocab_size}")
     if not (target / "manifest.json").is_file():
         subprocess.run([str(Path(sys.executable).parent / "clozax"), "prepare", "--corpus",
                         "stdlib", "--out", str(target), "--seq-len", str(seq_len),
-                        "--vocab-size", str(DATA["vocab_size"]), "--heldout-fraction",
+                        "--vocab-size", str(vocab_size), "--heldout-fraction",
                         str(DATA["heldout_fraction"]), "--seed", str(DATA["seed"])], check=True)
     return target
 
@@ -87,7 +93,7 @@ def prepared(out: Path, seq_len: int) -> Path:
 def pretrain(name: str, candidate: Candidate, out: Path, minutes: float) -> tuple[Path, dict]:
     """``clozax train --minutes`` of ``candidate`` into ``OUT/NAME/run`` (reused when done)."""
     run = out / name / "run"
-    data = prepared(out, candidate.seq_len)
+    data = prepared(out, candidate.seq_len, candidate.vocab_size)
     started = time.perf_counter()
     command = [str(Path(sys.executable).parent / "clozax"), "train", "--data", str(data),
                "--out", str(run), "--preset", candidate.preset, "--minutes", str(minutes)]

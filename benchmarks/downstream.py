@@ -245,7 +245,7 @@ def protocol_from(args):
     return ft.Protocol(learning_rates=None if args.lr is None else
                        tuple(float(x) for x in args.lr.split(",")),
                        seeds=args.seeds, epochs=args.epochs, max_train_examples=args.max_train,
-                       control=not args.no_control,
+                       control=not args.no_control, pooling=args.pooling,
                        layer_decays=tuple(float(x) for x in args.layer_decay.split(",")))
 
 
@@ -259,6 +259,8 @@ def add_finetune_options(parser) -> None:
     parser.add_argument("--layer-decay", default="1",
                         help="layer-wise learning-rate decay, a grid chosen on validation "
                         "(clozax finetune --layer-decay)")
+    parser.add_argument("--pooling", default="cls", choices=("cls", "mean"),
+                        help="the sentence vector the head reads (clozax finetune --pooling)")
     parser.add_argument("--no-control", action="store_true",
                         help="no random-init control (e.g. comparing two published encoders)")
     parser.add_argument("--retrieval-steps", type=int, default=40,

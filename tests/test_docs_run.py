@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -137,15 +138,22 @@ def test_every_tutorial_and_how_to_block_runs_as_written(tmp_path):
                        "python": [sys.executable, "-c"]}.get(language)
             if command is None:
                 continue  # an output or a file shown, not something a reader runs
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), _children_cpu_seconds()
             done = subprocess.run([*command, sized(text)], cwd=tmp_path, env=env,
                                   capture_output=True, text=True, timeout=600)
-            print(f"{time.perf_counter() - started:6.1f} s  {where}")
+            wall, cpu = time.perf_counter() - started, _children_cpu_seconds() - cpu_started
+            print(f"{wall:6.1f} s {cpu:6.1f} CPU-s  {where}")
             assert done.returncode == 0, (
                 f"{where} exited {done.returncode}:\n{sized(text)}\n--- output (end) ---\n"
                 f"{(done.stdout + done.stderr)[-4000:]}")
             ran += 1
     assert ran >= 15
+
+
+def _children_cpu_seconds() -> float:
+    """User + system seconds of this process's finished children (a block's commands)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def test_the_example_task_files_hold_no_text_of_the_example_corpora(tmp_path, capsys):
