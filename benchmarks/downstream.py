@@ -259,7 +259,9 @@ def add_finetune_options(parser) -> None:
     parser.add_argument("--layer-decay", default="1",
                         help="layer-wise learning-rate decay, a grid chosen on validation "
                         "(clozax finetune --layer-decay)")
-    parser.add_argument("--pooling", default="cls", choices=("cls", "mean"),
+    from clozax.judge.finetune_heads import POOLINGS
+
+    parser.add_argument("--pooling", default=POOLINGS[0], choices=POOLINGS,
                         help="the sentence vector the head reads (clozax finetune --pooling)")
     parser.add_argument("--no-control", action="store_true",
                         help="no random-init control (e.g. comparing two published encoders)")
