@@ -59,6 +59,7 @@ tokens = 4096
     ("[[phases]]\nsteps = 3\nrate_end = 0.15\n", "without phases.rate"),
     ("[[phases]]\nsteps = 3\nrate = 0.9\n", "outside (0, 0.5]"),
     ("[[phases]]\nsteps = 3\ndecay = \"exp\"\n", "phases.decay='exp' is not one of"),
+    ("[[phases]]\nsteps = 3\ntrains = \"encoder\"\n", "phases.trains='encoder' is not one of"),
     ("[[phases]]\nsteps = 3\nwarmup_steps = 3\n", "not shorter than the phase"),
     ("[[phases]]\nsteps = 3\nrope_theta_global = 1e6\n", "needs model.positions='rope'"),
     ("[train]\nminutes = 2.0\n[[phases]]\nsteps = 3\n", "train.minutes cannot be combined"),
@@ -346,6 +347,59 @@ def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_ex
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error:") and "\n" not in err
     assert "phases[1]: steps" in err
+
+
+HEAD_FIRST = """
+[train]
+batch_size = 8
+eval_every = 100
+save_every = 1
+keep_checkpoints = 10
+eval_rows = 32
+log_every = 1
+[[phases]]
+name = "head"
+steps = 3
+trains = "head"
+learning_rate = 1e-2
+[[phases]]
+name = "all"
+steps = 2
+warmup_steps = 1
+"""
+
+
+def _subtrees(run: Path, step: int | None = None) -> dict:
+    params = load_run(run, step=step).params
+    return {k: [np.asarray(x) for x in jax.tree.leaves(v)] for k, v in params.items()}
+
+
+def _same(a: list, b: list) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_a_head_only_phase_moves_the_mlm_head_and_holds_the_encoder_bitwise(data32, tmp_path):
+    """A head warm-up before adapting an encoder: through a ``trains = "head"`` phase every
+    parameter outside the MLM head (the tied word embeddings included) is bitwise the source's,
+    weight decay notwithstanding; the head moves; the next phase moves the encoder."""
+    source = tmp_path / "source"
+    cfg = config_lib.resolve(preset="tiny", overrides=["train.steps=2", "train.eval_rows=32",
+                                                         "optim.weight_decay=0.1"])
+    train_lib.train(data32, source, cfg)
+    held = tmp_path / "held"
+    train_lib.train(data32, held, config_lib.resolve(_toml(tmp_path, HEAD_FIRST), preset="tiny",
+                                                     overrides=["optim.weight_decay=0.1"]),
+                    init_from=source)
+    before, warmed, after = _subtrees(source), _subtrees(held, step=3), _subtrees(held)
+    assert {"embeddings", "layers"} <= set(before) - {"head"}
+    for name in set(before) - {"head"}:
+        assert _same(before[name], warmed[name]), name
+        assert not _same(warmed[name], after[name]), name
+    assert not _same(before["head"], warmed["head"])
+    lines = [json.loads(line) for line in (held / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in lines] == ["head"] * 3 + ["all"] * 2
+    assert all(r["grad_norm"] > 0 for r in lines)
 
 
 RAMP = """

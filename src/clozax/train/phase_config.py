@@ -3,9 +3,10 @@
 A phase overrides, for its stretch of updates, what the 2024–25 encoder recipes change between
 phases (ModernBERT, Ettin, mmBERT): the dataset (a longer ``seq_len`` for context extension),
 the batch size or a ramp to it, the masking rate or a ramp, the RoPE bases, the learning rate's
-piece (warm-up, stable, decay) and the weight decay. A setting a phase leaves unset is the
-run's own (``[masking]``, ``[optim]``, ``[train]``, ``[model]``). ``train/phases.py`` turns the
-phases into the run's plan.
+piece (warm-up, stable, decay) and the weight decay; and what it trains (``trains``: everything,
+or the MLM head alone, a head warm-up before adapting an encoder imported without one). A
+setting a phase leaves unset is the run's own (``[masking]``, ``[optim]``, ``[train]``,
+``[model]``). ``train/phases.py`` turns the phases into the run's plan.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from clozax.train.checks import check_choice, check_int, check_name, check_real
 from clozax.train.layout import FIXED_EVAL_STEM, phase_eval_stem
 
 DECAYS = ("none", *SCHEDULES)
+TRAINS = ("all", "head")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class PhaseConfig:
     decay_fraction: float | None = None
     end_lr_fraction: float | None = None
     weight_decay: float | None = None
+    # What the phase's updates move: "all" the parameters, or "head": the MLM head's own
+    # (transform, layer norm, bias) alone, the encoder held exactly as it is (its word
+    # embeddings, the head's tied decoder, included) and no gradient computed through it.
+    trains: str = "all"
 
     def __post_init__(self):
         if self.name is not None:
@@ -101,6 +107,7 @@ class PhaseConfig:
             check_real("phases.end_lr_fraction", self.end_lr_fraction, 0.0, 1.0)
         if self.weight_decay is not None:
             check_real("phases.weight_decay", self.weight_decay, 0.0, math.inf, high_open=True)
+        check_choice("phases.trains", self.trains, TRAINS)
 
 
 def phase_names(phases: tuple[PhaseConfig, ...]) -> list[str]:

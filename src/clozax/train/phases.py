@@ -13,7 +13,8 @@ reaches it. What a segment trains with is a pure function of the config and the 
   from its first update;
 - its learning rate: the run's ``piecewise_rate`` (one ``RatePiece`` per phase), continuous
   across segments because it is a function of the optimizer's update count;
-- its model: the run's, with the phase's RoPE bases.
+- its model: the run's, with the phase's RoPE bases;
+- what it trains: every parameter, or the MLM head alone (``segment_trains``).
 
 A run without phases is one segment (and keeps ``batch_rows``, so it trains as it always did).
 The plan is recorded in ``run.json`` (``phases``: each phase's steps, ``seq_len`` and dataset);
@@ -201,6 +202,11 @@ def segment_config(config: RunConfig, segment: Segment) -> RunConfig:
     train = dataclasses.replace(config.train, batch_size=segment.batch_size)
     return config.replace(model=model, masking=phase_masking(config.masking, phase), optim=optim,
                           train=train)
+
+
+def segment_trains(config: RunConfig, segment: Segment) -> str:
+    """What a segment's updates move (``PhaseConfig.trains``): ``"all"``, or ``"head"``."""
+    return config.phases[segment.phase].trains if config.phases else "all"
 
 
 def mask_step_offset(config: RunConfig, segment: Segment) -> int:

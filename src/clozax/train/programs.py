@@ -18,7 +18,14 @@ from clozax.core.vocab import Vocabulary
 from clozax.data.loader import batch_rows, host_batch, stream_rows
 from clozax.train.config import RunConfig
 from clozax.train.mesh import global_batch, process_rows
-from clozax.train.phases import Plan, Segment, mask_step_offset, segment_config, stream_positions
+from clozax.train.phases import (
+    Plan,
+    Segment,
+    mask_step_offset,
+    segment_config,
+    segment_trains,
+    stream_positions,
+)
 from clozax.train.step import make_train_step
 
 
@@ -42,7 +49,8 @@ class Programs:
                                                      self.params, self.rate)
             self.compiled[segment.start] = jax.jit(
                 make_train_step(seg_config, self.vocab, segment.seq_len, seg_optimizer,
-                                schedule, self.mesh, mask_step_offset(config, segment)),
+                                schedule, self.mesh, mask_step_offset(config, segment),
+                                segment_trains(config, segment)),
                 donate_argnums=0, out_shardings=(self.shardings, self.replicated))
         return self.compiled[segment.start]
 

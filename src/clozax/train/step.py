@@ -4,7 +4,9 @@
 Inside it the batch is corrupted with ``fold_in(mask_key, step)``, the vocabulary head runs only
 at the static number of selected slots, and the loss numerator and selected count are summed over
 microbatches (and, through the global-array semantics of ``jit`` over a device mesh, over
-devices) before one division.
+devices) before one division. A step that trains the MLM head alone (a phase's ``trains =
+"head"``) stops the gradient at the encoder's parameters and zeroes their updates, weight decay
+included, so the encoder stays bitwise as it was and its backward pass is not computed.
 """
 
 from __future__ import annotations
@@ -22,15 +24,26 @@ from clozax.core.train_state import TrainState
 from clozax.core.vocab import Vocabulary
 from clozax.train.config import RunConfig
 
+HEAD = "head"  # the MLM head's own parameters (its decoder is the tied word embeddings)
 
-def make_loss(model_config):
+
+def hold_encoder(tree: dict, hold) -> dict:
+    """``tree`` (parameters, or updates) with ``hold`` applied to every leaf outside the MLM
+    head's own parameters: ``jax.lax.stop_gradient`` on parameters, ``jnp.zeros_like`` on
+    updates."""
+    return {k: v if k == HEAD else jax.tree.map(hold, v) for k, v in tree.items()}
+
+
+def make_loss(model_config, trains: str = "all"):
     """``(params, *micro) -> (sum, (sum, count))`` on one microbatch; the head runs sparsely.
 
     The gradient taken is that of the *sum*; the caller divides summed gradients by the summed
-    count once.
+    count once. ``trains="head"``: the gradient reaches the MLM head's own parameters only.
     """
 
     def loss_fn(params, inputs, segments, positions, targets, valid):
+        if trains == "head":
+            params = hold_encoder(params, jax.lax.stop_gradient)
         hidden_sel = model_lib.apply(params, model_config, inputs, segments > 0, segments,
                                      positions=positions)  # (batch, count, hidden)
         logits = model_lib.mlm_logits(params, model_config, hidden_sel)
@@ -41,7 +54,7 @@ def make_loss(model_config):
 
 
 def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
-                        mesh: Mesh | None = None):
+                        mesh: Mesh | None = None, trains: str = "all"):
     """``(params, batch, step_key, step) -> (sum, count, grad_sum)`` over the global batch.
 
     The batch is corrupted once with ``step_key``; the microbatches (``train.microbatches``)
@@ -49,7 +62,7 @@ def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
     counts and gradient numerators are summed; nothing is divided here.
     """
     masker = make_masker(config.masking, vocab, seq_len)
-    loss_fn = make_loss(config.model)
+    loss_fn = make_loss(config.model, trains)
     grad_fn = jax.grad(loss_fn, has_aux=True)
     k = config.train.microbatches
     micro_sharding = NamedSharding(mesh, P(None, "data")) if mesh is not None else None
@@ -83,14 +96,15 @@ def make_loss_and_grads(config: RunConfig, vocab: Vocabulary, seq_len: int,
 
 
 def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimizer, schedule,
-                    mesh: Mesh | None = None, mask_offset: int = 0):
+                    mesh: Mesh | None = None, mask_offset: int = 0, trains: str = "all"):
     """The pure train step ``(state, batch, mask_key) -> (state, metrics)`` (not yet jitted).
 
     ``schedule(opt_state)`` gives the learning rate of the update (``make_optimizer``'s second
     result), reported as ``metrics["lr"]``. A masking-rate ramp counts updates from
     ``mask_offset`` (a phase's first update); the mask key is always ``fold_in(key, step)``.
+    ``trains="head"``: only the MLM head's own parameters move (``hold_encoder``).
     """
-    loss_and_grads = make_loss_and_grads(config, vocab, seq_len, mesh)
+    loss_and_grads = make_loss_and_grads(config, vocab, seq_len, mesh, trains)
 
     def step(state: TrainState, batch: dict, mask_key):
         total, count, grad_sum = loss_and_grads(
@@ -102,6 +116,8 @@ def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimize
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        if trains == "head":  # the encoder's updates are its weight decay alone: none of it
+            updates = hold_encoder(updates, jnp.zeros_like)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {
