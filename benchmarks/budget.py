@@ -42,6 +42,7 @@ class Candidate:
     seq_len: int = 128
     sets: tuple[str, ...] = field(default_factory=tuple)
     vocab_size: int = VOCAB  # the dataset's BPE vocabulary
+    lowercase: bool = True  # the tokenizer lowercases (the demo's); False: cased
 
 
 CANDIDATES = {
@@ -57,6 +58,7 @@ CANDIDATES = {
                                               "optim.end_lr_fraction=0.02")),
     "vocab4k": Candidate("budget on a 4,096-token vocabulary (each embedding row seen twice as "
                          "often in the minutes)", vocab_size=4096),
+    "cased": Candidate("budget on a cased tokenizer (the demo's lowercases)", lowercase=False),
     "narrow-deep": Candidate("budget, 6 x 192 (heads 3, MLP 768)",
                              sets=("model.layers=6", "model.hidden=192", "model.heads=3",
                                    "model.intermediate=768")),
@@ -78,14 +80,17 @@ CANDIDATES = {
 DATA = {"corpus": "stdlib", "heldout_fraction": 0.05, "seed": 0}
 
 
-def prepared(out: Path, seq_len: int, vocab_size: int = VOCAB) -> Path:
-    """The built-in corpus at ``seq_len``-token rows on a ``vocab_size`` BPE vocabulary (the
-    demo's split and tokenizer settings: lowercase, ``DATA``)."""
-    target = out / (f"data-{seq_len}" if vocab_size == VOCAB else f"data-{seq_len}-v{vocab_size}")
+def prepared(out: Path, seq_len: int, vocab_size: int = VOCAB, lowercase: bool = True) -> Path:
+    """The built-in corpus at ``seq_len``-token rows on a ``vocab_size`` BPE vocabulary, lowercased
+    or cased (the demo's split, ``DATA``)."""
+    name = f"data-{seq_len}" + ("" if vocab_size == VOCAB else f"-v{vocab_size}") + \
+        ("" if lowercase else "-cased")
+    target = out / name
     if not (target / "manifest.json").is_file():
         subprocess.run([str(Path(sys.executable).parent / "clozax"), "prepare", "--corpus",
                         "stdlib", "--out", str(target), "--seq-len", str(seq_len),
-                        "--vocab-size", str(vocab_size), "--heldout-fraction",
+                        "--vocab-size", str(vocab_size),
+                        "--lowercase" if lowercase else "--no-lowercase", "--heldout-fraction",
                         str(DATA["heldout_fraction"]), "--seed", str(DATA["seed"])], check=True)
     return target
 
@@ -93,7 +98,7 @@ def prepared(out: Path, seq_len: int, vocab_size: int = VOCAB) -> Path:
 def pretrain(name: str, candidate: Candidate, out: Path, minutes: float) -> tuple[Path, dict]:
     """``clozax train --minutes`` of ``candidate`` into ``OUT/NAME/run`` (reused when done)."""
     run = out / name / "run"
-    data = prepared(out, candidate.seq_len, candidate.vocab_size)
+    data = prepared(out, candidate.seq_len, candidate.vocab_size, candidate.lowercase)
     started = time.perf_counter()
     command = [str(Path(sys.executable).parent / "clozax"), "train", "--data", str(data),
                "--out", str(run), "--preset", candidate.preset, "--minutes", str(minutes)]

@@ -280,9 +280,19 @@ learning_rate = 5e-4
 """
 
 
+def _subtrees(run: Path, step: int | None = None) -> dict:
+    """Each top-level part of ``run``'s parameters (at ``step``) as a list of arrays."""
+    params = load_run(run, step=step).params
+    return {k: [np.asarray(x) for x in jax.tree.leaves(v)] for k, v in params.items()}
+
+
+def _same(a: list, b: list) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def _params_equal(a: Path, b: Path) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
-        jax.tree.leaves(load_run(a).params), jax.tree.leaves(load_run(b).params), strict=True))
+    x, y = _subtrees(a), _subtrees(b)
+    return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
 
 
 @pytest.mark.slow
@@ -367,15 +377,6 @@ name = "all"
 steps = 2
 warmup_steps = 1
 """
-
-
-def _subtrees(run: Path, step: int | None = None) -> dict:
-    params = load_run(run, step=step).params
-    return {k: [np.asarray(x) for x in jax.tree.leaves(v)] for k, v in params.items()}
-
-
-def _same(a: list, b: list) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.slow
