@@ -276,8 +276,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(stdlib
     train_lib.train(stdlib_data, out, cfg, stop_after=2)
     real = step_lib.make_loss
 
-    def poisoned(model_config):
-        loss_fn = real(model_config)
+    def poisoned(model_config, *rest):
+        loss_fn = real(model_config, *rest)
 
         def fn(params, *args):
             total, (t, c) = loss_fn(params, *args)
