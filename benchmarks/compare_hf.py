@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--synthetic", action="store_true", help="uniform random ids, no data")
+    parser.add_argument("--documents", type=int, metavar="N",
+                        help="with --synthetic: rows packed with documents of about N tokens "
+                        "(clozax attends within each; HF over the whole row)")
     parser.add_argument("--batch", type=int, help="global batch in sequences (default: shape's)")
     parser.add_argument("--seq", type=int, help="tokens per row (default: shape's; other lengths "
                         "need --synthetic or a dataset prepared at that length)")
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         SHAPES[args.shape] = {**SHAPES[args.shape], "seq": args.seq}
     if min(args.steps_per_block, args.blocks, args.warmup) < 1:
         parser.error("--steps-per-block, --blocks and --warmup must be >= 1")
+    if args.documents is not None and (args.documents < 4 or not args.synthetic):
+        parser.error("--documents needs --synthetic and at least 4 tokens a document")
 
     from clozax.train import hostmem
 
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SHAPES[args.shape]
     synthetic = args.synthetic or not (args.data / "manifest.json").is_file()
-    rows = load_rows(None if synthetic else args.data, synthetic, shape["vocab"], shape["seq"])
+    rows = load_rows(None if synthetic else args.data, synthetic, shape["vocab"], shape["seq"],
+                     documents=args.documents)
     env = {
         "shape": {**shape, **hf_dims(shape["preset"])},
         "data": rows.source,

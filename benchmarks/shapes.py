@@ -15,6 +15,9 @@ import numpy as np
 SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
 SHAPES = {  # model preset, vocabulary, sequence length, batch
+    # the tiny shapes: gpu_check.sh's dry run on a CPU (QUICK=1), not a measurement
+    "tiny": {"preset": "tiny", "vocab": 1024, "seq": 64, "batch": 8},
+    "modern-tiny": {"preset": "modern-tiny", "vocab": 1024, "seq": 128, "batch": 4},
     "small": {"preset": "small", "vocab": 8192, "seq": 128, "batch": 32},
     "base": {"preset": "base", "vocab": 8192, "seq": 128, "batch": 32},
     "modern-small": {"preset": "modern-small", "vocab": 8192, "seq": 1024, "batch": 4},
@@ -40,14 +43,28 @@ class Rows:
         return rng.choice(len(self.tokens), batch, replace=False)
 
 
-def load_rows(data: Path | None, synthetic: bool, vocab: int, seq: int, n: int = 1024) -> Rows:
+def load_rows(data: Path | None, synthetic: bool, vocab: int, seq: int, n: int = 1024,
+              documents: int | None = None) -> Rows:
+    """The dataset's training rows, or ``n`` synthetic ones: uniform ids, one document a row,
+    or (``documents``) packed documents of random lengths around that many tokens, each
+    opening with [CLS] and closing with [SEP], as clozax packs a corpus (per-document
+    attention on clozax's side; HF attends over the whole row, as it does on packed rows)."""
     if synthetic or data is None:
         rng = np.random.default_rng(0)
         tokens = rng.integers(len(SPECIALS), vocab, size=(n, seq), dtype=np.int32)
-        tokens[:, 0], tokens[:, -1] = SPECIALS["cls"], SPECIALS["sep"]
         segments = np.ones((n, seq), np.int32)
+        if documents:
+            lengths = rng.integers(max(2, documents // 2), documents * 3 // 2 + 1,
+                                   size=(n, seq // max(2, documents // 2) + 1))
+            starts = np.cumsum(lengths, axis=1)
+            segments = np.stack([np.searchsorted(s, np.arange(seq), side="right") + 1
+                                 for s in starts]).astype(np.int32)
+        first = np.concatenate([np.ones((n, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
+        last = np.concatenate([segments[:, 1:] != segments[:, :-1], np.ones((n, 1), bool)], 1)
+        tokens[first], tokens[last] = SPECIALS["cls"], SPECIALS["sep"]
+        what = f"packed documents of ~{documents} tokens" if documents else "one document a row"
         return Rows(tokens, segments, np.ones((n, seq), bool), dict(SPECIALS), vocab,
-                    f"synthetic uniform ids, {n} rows")
+                    f"synthetic uniform ids, {n} rows, {what}")
     from clozax.data import open_dataset
 
     ds = open_dataset(data)

@@ -19,6 +19,27 @@ from shapes import DTYPES, SHAPES, Rows
 from clozax.core.flops import executed_flops_per_step, layer_keys, useful_flops_per_step
 
 
+def visible_keys(rows: Rows, layers: int, global_every: int, window: int) -> list[float]:
+    """Keys a query attends to, per layer, averaged over the rows' tokens: ``layer_keys`` for
+    one document a row; with packed documents, each query's document (cut to the window on
+    local layers), which is all per-document attention computes and all the loss depends on."""
+    import numpy as np
+
+    segments = rows.segments[:64]
+    if (segments == segments[:, :1]).all():
+        return layer_keys(segments.shape[1], layers, global_every, window)
+    half, seen_global, seen_local, tokens = window // 2, 0.0, 0.0, 0
+    for row in segments:
+        for n in np.unique(row[row > 0], return_counts=True)[1]:
+            position = np.arange(n)
+            seen_global += n * n
+            seen_local += np.sum(np.minimum(position, half) + np.minimum(n - 1 - position, half)
+                                 + 1)
+            tokens += n
+    return [seen_global / tokens if i % global_every == 0 else seen_local / tokens
+            for i in range(layers)]
+
+
 class MatmulPeak:
     """FLOP/s of a large square ``jnp.dot`` in one dtype; ``sample()`` times ``reps`` of them.
 
@@ -135,7 +156,7 @@ def compare(dtype_name: str, args, rows: Rows, device: str) -> dict:
 
     h = hf_dims(shape["preset"])
     glu = h["mlp"] == "geglu"
-    keys = layer_keys(shape["seq"], h["layers"], h["global_every"], h["local_window"])
+    keys = visible_keys(rows, h["layers"], h["global_every"], h["local_window"])
     useful = useful_flops_per_step(h["hidden"], h["layers"], h["intermediate"], shape["vocab"],
                                    shape["seq"], shape["batch"], cz.count, glu, keys)
     # HF's SDPA scores every key on every layer (its sliding window is a mask): all seq keys.

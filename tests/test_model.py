@@ -286,10 +286,10 @@ def test_apply_rejects_bad_inputs_before_tracing(params, batch):
 def test_head_major_attention_matches_dot_product_attention(batch, within_segments):
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(BATCH, SEQ, 2, 8)), jnp.float32) for _ in range(3))
-    mask = attention.visible(
-        jnp.asarray(batch["mask"]), jnp.asarray(batch["segments"]), within_segments
-    )
-    ours = attention.attend(q, k, v, mask, "einsum")
+    vis = attention.full_rows(jnp.asarray(batch["mask"]),
+                              jnp.asarray(batch["segments"]) if within_segments else None)
+    mask = attention.dense_mask(vis)
+    ours = attention.einsum(q, k, v, mask, jnp.float32)
     reference = jax.nn.dot_product_attention(q, k, v, mask=mask)
     assert ours.shape == reference.shape == (BATCH, SEQ, 2, 8)
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
@@ -313,7 +313,8 @@ def test_apply_at_positions_rejects_misshaped_positions(params, batch):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"attention": "flash"}, r"model.attention='flash' is not one of"),
+    ({"attention": "splash"}, r"model.attention='splash' is not one of \('auto', 'einsum', "
+                              r"'xla', 'cudnn', 'flash'\)"),
     ({"attention": "cudnn", "compute_dtype": "bfloat16", "attention_within_segments": True},
      r"cannot keep attention inside packed documents"),
     ({"attention": "cudnn"}, r"needs model.compute_dtype='bfloat16'"),

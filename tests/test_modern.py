@@ -101,7 +101,7 @@ def test_a_local_layer_never_sees_a_token_outside_its_window(params, impl):
     layer = jax.tree.map(lambda a: a[1], pattern.fused_layers(params["layers"], config))
 
     def out_at(i):
-        return lambda x: jnp.sum(model._block(x, layer, shared, None, config)[0, i])
+        return lambda x: jnp.sum(model._block(x, layer, shared, config)[0, i])
 
     for i in (0, 20, SEQ - 1):
         grad = np.abs(np.asarray(jax.grad(out_at(i))(x))[0]).sum(axis=-1)  # (seq,)
@@ -111,7 +111,8 @@ def test_a_local_layer_never_sees_a_token_outside_its_window(params, impl):
 
 
 def test_the_window_mask_is_bidirectional_and_inclusive():
-    mask = np.asarray(attention.window(6, 2))[0, 0]
+    vis = attention.full_rows(jnp.ones((1, 6), bool))
+    mask = np.asarray(attention.dense_mask(vis, 2))[0, 0]
     assert mask[3].tolist() == [False, True, True, True, True, True]
     assert mask[0].tolist() == [True, True, True, False, False, False]
 
@@ -218,8 +219,6 @@ def test_sparse_last_block_equals_the_full_forward_for_the_modern_model(params, 
     ({"init_cutoff": 0.0}, "model.init_cutoff=0.0 is not a finite positive number"),
     ({"layer_norm": "post"}, "model.first_attention_norm=false applies only to pre-LN blocks"),
     ({"hidden": 36, "heads": 4}, "model.positions='rope' needs an even head dim"),
-    ({"attention": "cudnn", "compute_dtype": "bfloat16", "attention_within_segments": False},
-     "has no bidirectional sliding window"),
 ])
 def test_invalid_modern_options_raise_one_line_naming_the_fix(overrides, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -243,14 +242,13 @@ def test_blocked_local_attention_equals_full_attention_under_the_window_mask(wit
     (seq, seq) path: same outputs and input gradients at every real query."""
     q, k, v, mask, segments = _qkv_batch(70, seed=4)
     half = 8
-    full_mask = attention.visible(mask, segments, within_segments) & attention.window(70, half)
-    seg = segments if within_segments else None
+    vis = attention.full_rows(mask, segments if within_segments else None)
 
     def full(q, k, v):
-        return attention.attend(q, k, v, full_mask, "einsum") * mask[:, :, None, None]
+        return attention.attend(q, k, v, vis, "einsum", half) * mask[:, :, None, None]
 
     def blocked(q, k, v):
-        return attention.blocked_local_attend(q, k, v, mask, seg, half) * mask[:, :, None, None]
+        return attention.attend(q, k, v, vis, "blocked", half) * mask[:, :, None, None]
 
     np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.grad(lambda *t: jnp.sum(jnp.sin(full(*t))), argnums=(0, 1, 2))(q, k, v),
@@ -264,7 +262,8 @@ def test_blocked_local_attention_never_sees_a_key_outside_the_window():
     half = 8
     for i in (0, 8, 37, 69):
         def out_at(k, v, i=i):
-            return jnp.sum(attention.blocked_local_attend(q, k, v, mask, None, half)[0, i])
+            vis = attention.full_rows(mask)
+            return jnp.sum(attention.attend(q, k, v, vis, "blocked", half)[0, i])
 
         dk, dv = jax.grad(out_at, argnums=(0, 1))(k, v)
         reach = np.abs(np.asarray(dk[0])).sum((1, 2)) + np.abs(np.asarray(dv[0])).sum((1, 2))
@@ -277,7 +276,7 @@ def test_long_rows_take_the_blocked_path_and_the_sparse_block_still_agrees(param
     masked path; their outputs at the selected rows agree."""
     config = _config(max_positions=128)
     seq = 80
-    assert pattern.blocked_local(config, seq)
+    assert pattern.attention_plan(config, seq)[:2] == ("einsum", "blocked")
     rng = np.random.default_rng(6)
     inputs = jnp.asarray(rng.integers(0, VOCAB, size=(2, seq)), jnp.int32)
     mask = jnp.asarray(np.arange(seq)[None, :] < np.array([[seq], [61]]))

@@ -1,95 +1,194 @@
-"""Attention: which keys each query may see, and how softmax attention is computed.
+"""Attention: which keys each query may see, and the paths that compute softmax attention.
 
-Axis names as in ``clozax.core.model``: q, k, v are (batch, seq, heads, head_dim); masks are
-bool, broadcastable to (batch, heads, q, k), True where a query may see a key.
+What a query sees is data, ``Visibility``: each key's realness and document (segment) id, each
+query's position and document. Key ``j`` is visible to query ``i`` when ``j`` is a real token,
+when (with per-document attention) both are in one document, and on a local layer when
+``|position(i) - j| <= half`` (``model.local_window = 2 * half``, HF ModernBERT's
+``local_attention // 2``). ``dense_mask`` writes that rule out as a (q, k) boolean mask;
+``reference`` is softmax attention under it, in float32: the one reference every path is tested
+against (forward and backward, ``tests/test_attention.py``).
+
+One function per path; every path is the same maths, so ``model.attention`` is speed-only:
+
+- ``einsum``: batched matmuls over the dense mask with a backward laid out for XLA:CPU
+  (``clozax.core.kernels``); O(n²) memory. ``auto`` on a CPU for global layers, and for local
+  layers on rows shorter than 4 windows.
+- ``xla``: ``jax.nn.dot_product_attention`` over the dense mask; O(n²). ``auto`` on TPUs and
+  other GPUs, and for NVIDIA float32 rows without documents.
+- ``cudnn``: cuDNN's fused flash kernel given per-row lengths, never a mask; O(n). ``auto`` on
+  NVIDIA GPUs for bf16 rows without per-document attention.
+- ``flash``: clozax's Pallas kernel with segment ids and an optional window
+  (``clozax.core.flash``); O(n). ``auto`` on NVIDIA GPUs for packed documents and every local
+  layer.
+- ``blocked``: local layers in XLA, each block of queries against its neighbouring key blocks;
+  O(n·w). ``auto`` on CPUs and TPUs for local layers on rows of 4 windows or more.
+
+Why these choices (unmeasured on a GPU until a device is lent; ``benchmarks/gpu_check.sh`` times
+every path side by side so the next measurement can move ``choose``):
+
+- Rows without documents: cuDNN with ``query_seq_lengths``/``key_value_seq_lengths``, measured
+  1.79x HF at seq 128 on an H200 against 1.32x for ``xla`` (2026-12-04). A boolean mask would
+  send cuDNN down a slower path (JAX issues #23349, #28974), so it never gets one; padding is a
+  suffix of every clozax row, which lengths express exactly.
+- Packed documents (ModernBERT's per-document attention): a fused kernel with segment ids. The
+  candidates were JAX's Pallas ``mha`` (segment ids, but every key block visited: O(n²) work for
+  a ±64 window), the TPU splash kernel (TPU only), Transformer Engine's THD layout (not
+  installable here, no way to test it on a CPU) and cuDNN given a mask (435.6 µs against 169.4
+  for a Pallas splash kernel at 4,096 tokens on Hopper, a public JAX benchmark). Chosen: a
+  Pallas kernel of clozax's own that skips the blocks no query of a block can see, so packed
+  short documents and local windows cost what they attend to. It runs in Pallas's interpreter
+  on a CPU (the tests) and lowers to Triton for the ``cuda`` platform on a CPU host (tested).
+- ±w local layers: the same kernel with the window, O(n·w). cuDNN's ``local_window_size`` is
+  not used: without ``is_causal`` its ``(L, 0)`` window attends to every later token, forward and
+  backward (an open JAX bug), and a two-sided window raises.
+
+Axis names as in ``clozax.core.model``: q, k, v are (batch, seq, heads, head_dim); dense masks
+are bool, broadcastable to (batch, heads, q, k), True where a query may see a key.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from clozax.core import flash as flash_lib
 from clozax.core import kernels
 
-# ``model.attention``: speed-only, every choice is the same maths (see ``attend``).
-IMPLS = ("auto", "einsum", "xla", "cudnn")
+# ``model.attention``: speed-only, every choice the same maths (see ``choose``).
+IMPLS = ("auto", "einsum", "xla", "cudnn", "flash")
+PATHS = ("einsum", "xla", "cudnn", "flash", "blocked")
+DENSE = ("einsum", "xla")  # the paths that take a (q, k) mask
+NVIDIA_ONLY = {"cudnn": "cuDNN's fused kernel", "flash": "clozax's Pallas (Triton) kernel"}
 
 
 def cudnn_available() -> bool:
-    """Whether cuDNN's fused attention can run here: the default backend is an NVIDIA GPU."""
+    """Whether cuDNN's fused attention (and Triton) can run here: the default backend is an
+    NVIDIA GPU."""
     if jax.default_backend() != "gpu":
         return False
     return "nvidia" in jax.devices()[0].device_kind.lower()
 
 
-def visible(attention_mask, segments, within_segments):
-    """Boolean mask broadcastable to (batch, heads, q, k): True where a query may see a key."""
-    key_real = attention_mask[:, None, None, :]  # (batch, 1, 1, seq)
-    if not within_segments:
-        return key_real
-    same = segments[:, :, None] == segments[:, None, :]  # (batch, seq, seq)
-    return same[:, None, :, :] & key_real  # (batch, 1, seq, seq)
+def runs_here(impl: str) -> bool:
+    """Whether ``model.attention=impl`` can run on this machine's default backend."""
+    return impl not in NVIDIA_ONLY or cudnn_available()
 
 
-def window(seq: int, half: int):
-    """(1, 1, seq, seq) bool: True where |query - key| <= ``half``, the bidirectional sliding
-    window of ``model.local_window = 2 * half`` (HF ModernBERT: ``local_attention // 2``)."""
-    index = jnp.arange(seq)
-    return (jnp.abs(index[:, None] - index[None, :]) <= half)[None, None]
+# ----------------------------------------------------------------------------- visibility
 
 
-def rows_mask(mask, rows):
-    """``mask`` (batch, 1, q or 1, k) restricted to query positions ``rows`` (batch, count)."""
-    if mask.shape[2] == 1:
-        return mask
-    return jnp.take_along_axis(mask, rows[:, None, :, None], axis=2)  # (batch, 1, count, k)
+class Visibility(NamedTuple):
+    """Which keys each query may see, without a (q, k) mask.
 
-
-def attend(q, k, v, mask, impl: str = "auto", lengths=None, dtype=None):
-    """Scaled dot-product attention. q, k, v: (batch, seq, heads, head_dim); same out.
-
-    ``dtype`` is the compute dtype of the matmul operands (default: q's). ``impl``
-    (``model.attention``) chooses how, never what:
-
-    - ``einsum`` (``auto`` on CPU): ``kernels.attention``, explicit batched matmuls in
-      (batch, heads, seq, head_dim) layout with a hand-written backward that XLA:CPU runs in
-      YNNPACK (see ``clozax.core.kernels``). Scores and softmax in float32; returns float32.
-    - ``xla`` (``auto`` elsewhere): ``jax.nn.dot_product_attention`` with the boolean mask.
-    - ``cudnn``: cuDNN's fused flash-attention kernel on NVIDIA GPUs, given per-row
-      ``lengths`` (batch,) instead of a boolean mask (JAX issues #23349, #28974: a boolean
-      mask forces a slower path). Valid when padding is a suffix of every row, which clozax's
-      packing guarantees (``apply`` derives the lengths from ``attention_mask``).
+    key_real: (batch, k) bool, True = a real token; k_seg: (batch, k) int document ids, or None
+    when attention is not kept inside documents; q_pos: (batch, q) int, each query's position
+    in the row; q_seg: (batch, q) int document ids (None with k_seg).
     """
-    dtype = q.dtype if dtype is None else dtype
-    if impl == "auto":
-        impl = "einsum" if kernels.on_cpu() else "xla"
-    if impl == "einsum":
-        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
-        return kernels.attention(q, k, v, mask, dtype)
+
+    key_real: jax.Array
+    k_seg: jax.Array | None
+    q_pos: jax.Array
+    q_seg: jax.Array | None
+
+
+def full_rows(attention_mask, segments=None) -> Visibility:
+    """Every position of the row a query. attention_mask (batch, seq) bool; segments
+    (batch, seq) int (0 = padding), or None for no per-document restriction."""
+    q_pos = jnp.broadcast_to(jnp.arange(attention_mask.shape[1], dtype=jnp.int32),
+                             attention_mask.shape)
+    return Visibility(attention_mask, segments, q_pos, segments)
+
+
+def at_rows(vis: Visibility, rows) -> Visibility:
+    """The queries at positions ``rows`` (batch, count) of a full-row ``vis``."""
+    q_seg = None if vis.k_seg is None else jnp.take_along_axis(vis.k_seg, rows, axis=1)
+    return vis._replace(q_pos=rows.astype(jnp.int32), q_seg=q_seg)
+
+
+def dense_mask(vis: Visibility, half: int | None = None):
+    """The visibility rule as a bool mask (batch, 1, q or 1, k); (batch, 1, 1, k) when only
+    padding is masked."""
+    mask = vis.key_real[:, None, None, :]  # (batch, 1, 1, k)
+    keys = jnp.arange(vis.key_real.shape[1])
+    if vis.k_seg is not None:
+        same = vis.q_seg[:, :, None] == vis.k_seg[:, None, :]  # (batch, q, k)
+        mask = mask & same[:, None]
+    if half is not None:
+        near = jnp.abs(vis.q_pos[:, :, None] - keys[None, None, :]) <= half  # (batch, q, k)
+        mask = mask & near[:, None]
+    return mask
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def reference(q, k, v, mask):
+    """Softmax attention under a dense bool ``mask``, in float32: the one reference.
+
+    q, k, v: (batch, seq, heads, head_dim). Returns float32, q's shape; a query that sees no key
+    gets zeros (its row of probabilities is masked to 0)."""
+    q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / math.sqrt(q.shape[-1])
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)  # (batch, heads, q, k)
+    return jnp.einsum("bnqk,bknd->bqnd", probs, v)
+
+
+def einsum(q, k, v, mask, dtype):
+    """``kernels.attention``: batched matmuls with a hand-written backward that XLA:CPU runs in
+    YNNPACK; scores and softmax in float32. Returns float32."""
+    q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    return kernels.attention(q, k, v, mask, dtype)
+
+
+def xla(q, k, v, mask, dtype):
+    """``jax.nn.dot_product_attention`` with the dense mask (XLA picks the kernel)."""
     q, k, v = (t.astype(dtype) for t in (q, k, v))
-    if impl == "xla":
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
-    # Queries at selected rows only (``apply(positions=)``) are all real.
+    return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(jnp.float32)
+
+
+def cudnn(q, k, v, vis: Visibility, dtype):
+    """cuDNN's fused kernel given per-row lengths (never a mask): real keys must be a prefix of
+    each row, which clozax's rows are. Queries at selected rows (``at_rows``) are all real."""
+    if vis.k_seg is not None:
+        raise ValueError("the cudnn attention path takes per-row lengths and cannot keep "
+                         "attention inside documents; use 'flash'")
+    q, k, v = (t.astype(dtype) for t in (q, k, v))
+    lengths = jnp.sum(vis.key_real, axis=-1, dtype=jnp.int32)  # (batch,)
     q_lengths = lengths if q.shape[1] == k.shape[1] else jnp.full_like(lengths, q.shape[1])
     return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=q_lengths,
-                                        key_value_seq_lengths=lengths, implementation="cudnn")
+                                        key_value_seq_lengths=lengths,
+                                        implementation="cudnn").astype(jnp.float32)
 
 
-def blocked_local_attend(q, k, v, attention_mask, segments, half: int, dtype=None):
-    """Sliding-window attention in O(seq * window): the same maths as ``attend`` with the mask
-    ``visible(...) & window(seq, half)``, without the (seq, seq) scores.
+def flash(q, k, v, vis: Visibility, half: int | None, dtype, interpret: bool = False):
+    """``clozax.core.flash``: segment ids and the window in one Pallas kernel, O(n) memory.
 
-    q, k, v: (batch, seq, heads, head_dim); attention_mask (batch, seq) bool; segments (batch,
-    seq) int or None (None: no per-document restriction). The row is cut into blocks of
-    ``half`` queries; block j's queries see at most keys ``[(j-1)*half, (j+2)*half)``, which
-    holds every key within ``half`` of them, so scores are (batch, blocks, heads, half,
-    3 * half). Plain autodiff; scores and softmax in float32. Returns float32, q's shape.
-    Real queries always see themselves; a padding query, which may see no key at all, gets
-    a different (meaningless, never read) output than on the full path.
+    The visibility becomes segment ids: a key's id is its document (1 without documents) when
+    real and -1 when not; a query's is its document (1 without documents), so each query sees
+    exactly the keys ``dense_mask`` gives it. ``interpret``: run the kernels in Pallas's
+    interpreter (a CPU, which has no Triton). Returns float32."""
+    q, k, v = (t.astype(dtype) for t in (q, k, v))
+    within = vis.k_seg is not None
+    k_seg = jnp.where(vis.key_real, vis.k_seg if within else 1, -1)
+    q_seg = vis.q_seg if within else jnp.ones_like(vis.q_pos)
+    out = flash_lib.flash_attention(q, k, v, vis.q_pos, q_seg, k_seg, half, interpret=interpret)
+    return out.astype(jnp.float32)
+
+
+def blocked(q, k, v, vis: Visibility, half: int, dtype):
+    """Local attention in O(seq * window) with XLA ops: the same maths as a dense path under
+    ``dense_mask(vis, half)``, without the (seq, seq) scores. Full rows only.
+
+    The row is cut into blocks of ``half`` queries; block j's queries see at most keys
+    ``[(j-1)*half, (j+2)*half)``, which holds every key within ``half`` of them, so scores are
+    (batch, blocks, heads, half, 3 * half). Plain autodiff; scores and softmax in float32.
+    Returns float32. A padding query, which may see no key at all, gets a different
+    (meaningless, never read) output than on a dense path.
     """
-    dtype = q.dtype if dtype is None else dtype
     batch, seq, heads, head_dim = q.shape
     blocks = -(-seq // half)
     pad = blocks * half - seq
@@ -110,14 +209,88 @@ def blocked_local_attend(q, k, v, attention_mask, segments, half: int, dtype=Non
     q_index = jnp.arange(blocks * half).reshape(blocks, half)  # (blocks, half)
     k_index = (q_index[:, :1] - half) + jnp.arange(3 * half)  # (blocks, 3 * half)
     near = jnp.abs(q_index[:, :, None] - k_index[:, None, :]) <= half  # (blocks, q, k)
-    real = neighbours(attention_mask)  # (batch, blocks, 3 * half), False off the row
+    real = neighbours(vis.key_real)  # (batch, blocks, 3 * half), False off the row
     visible_ = near[None] & real[:, :, None, :]  # (batch, blocks, q, k)
-    if segments is not None:
-        q_seg = padded(segments, 0, pad, -1).reshape(batch, blocks, half)
-        visible_ &= q_seg[:, :, :, None] == neighbours(segments)[:, :, None, :]
+    if vis.k_seg is not None:
+        q_seg = padded(vis.k_seg, 0, pad, -1).reshape(batch, blocks, half)
+        visible_ &= q_seg[:, :, :, None] == neighbours(vis.k_seg)[:, :, None, :]
     scores = jnp.where(visible_[:, :, None], scores / math.sqrt(head_dim),
                        jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # (batch, blocks, heads, q, k) float32
     ctx = jnp.einsum("bjnqk,bjknd->bjqnd", probs.astype(dtype), vb,
                      preferred_element_type=jnp.float32)
     return ctx.reshape(batch, blocks * half, heads, head_dim)[:, :seq]
+
+
+def attend(q, k, v, vis: Visibility, path: str, half: int | None = None, dtype=None,
+           mask=None, interpret: bool | None = None):
+    """Attention by ``path`` (one of ``PATHS``) under ``vis`` and, on a local layer, the window
+    ``half``. q: (batch, q, heads, head_dim); k, v: (batch, k, heads, head_dim). Returns
+    float32, q's shape. ``mask`` is ``dense_mask(vis, half)`` when the caller has it already
+    (dense paths only; built here otherwise). ``interpret`` (the ``flash`` path; default: on a
+    CPU) runs Pallas kernels in the interpreter."""
+    dtype = q.dtype if dtype is None else dtype
+    if path in DENSE:
+        mask = dense_mask(vis, half) if mask is None else mask
+        return (einsum if path == "einsum" else xla)(q, k, v, mask, dtype)
+    if path == "cudnn":
+        if half is not None:
+            raise ValueError("the cudnn attention path has no two-sided window; use 'flash'")
+        return cudnn(q, k, v, vis, dtype)
+    if path == "flash":
+        interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+        return flash(q, k, v, vis, half, dtype, interpret)
+    if path == "blocked":
+        if half is None or q.shape[1] != k.shape[1]:
+            raise ValueError("the blocked attention path runs local layers on full rows only")
+        return blocked(q, k, v, vis, half, dtype)
+    raise ValueError(f"attention path {path!r} is not one of {PATHS}")
+
+
+# ----------------------------------------------------------------------------- choice
+
+
+class Plan(NamedTuple):
+    """The paths of a model's global and local layers (``local`` None without local layers),
+    and whether Pallas kernels run in the interpreter (the plan is for a CPU)."""
+
+    global_: str
+    local: str | None
+    interpret: bool = False
+
+    def describe(self) -> str:
+        return self.global_ if self.local is None else f"{self.global_} (global), " \
+                                                       f"{self.local} (local)"
+
+    def record(self) -> dict:
+        return {"global": self.global_, "local": self.local}
+
+    def paths(self) -> tuple[str, ...]:
+        return (self.global_,) if self.local is None else (self.global_, self.local)
+
+
+def choose(impl: str, *, platform: str, device_kind: str, within_segments: bool,
+           local_half: int | None, seq: int, bf16: bool, rows: bool = False) -> Plan:
+    """The path of each layer kind: ``impl`` unless ``auto``, which picks by device, shape and
+    mask (the table in this module's docstring). ``local_half`` is None without local layers;
+    ``rows``: the queries are the selected positions only (``apply(positions=)``'s last block,
+    which ``blocked`` cannot run). Pure: the tests ask what a GPU would get on a CPU."""
+    nvidia = platform == "gpu" and "nvidia" in device_kind.lower()
+    dense = "einsum" if platform == "cpu" else "xla"
+    long_row = local_half is not None and not rows and seq >= 8 * local_half  # 4 windows
+    if impl == "auto":
+        if nvidia:
+            unpacked = not within_segments
+            global_ = "cudnn" if unpacked and bf16 else "xla" if unpacked else "flash"
+            local = "flash"
+        else:
+            global_, local = dense, "blocked" if long_row else dense
+    elif impl in DENSE:
+        global_, local = impl, "blocked" if long_row else impl
+    elif impl == "cudnn":
+        global_, local = "cudnn", "flash"
+    elif impl == "flash":
+        global_ = local = "flash"
+    else:
+        raise ValueError(f"model.attention={impl!r} is not one of {IMPLS}")
+    return Plan(global_, local if local_half is not None else None, platform == "cpu")

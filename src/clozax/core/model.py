@@ -42,7 +42,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clozax.core import attention as attention_lib
 from clozax.core import kernels, layers, pattern
 from clozax.core import positions as positions_lib
 from clozax.core.model_config import ModelConfig
@@ -129,17 +128,17 @@ def init(config: ModelConfig, key: jax.Array) -> Params:
 # ----------------------------------------------------------------------------- pieces
 
 
-def _block(x, p, shared, lengths, config: ModelConfig, rows=None):
+def _block(x, p, shared, config: ModelConfig, rows=None):
     """One residual block. x: (batch, seq, hidden) float32 residual stream.
 
-    ``shared`` holds what every block reads (``pattern.shared``): the attention ``mask`` (and
-    the sliding window's ``local_mask``), and the RoPE tables. Per-layer flags in ``p`` choose
-    between them (``pattern.fused_layers``).
+    ``shared`` holds what every block reads (``pattern.shared``): the attention visibility
+    ``vis`` and the dense masks the plan's dense paths take, and the RoPE tables. Per-layer
+    flags in ``p`` choose between layer kinds (``pattern.fused_layers``).
 
     With ``rows`` (batch, count) int, only those query positions are computed: keys and values
     still come from every position, and the block returns (batch, count, hidden), equal to
-    the full block's output gathered at ``rows``. The masks must then already be the rows'
-    (``attention.rows_mask``). The last block of ``apply(..., positions=)`` runs this way.
+    the full block's output gathered at ``rows``. The last block of ``apply(..., positions=)``
+    runs this way.
     """
     c = config
     dtype, eps, pre = c.dtype, c.layer_norm_eps, c.layer_norm == "pre"
@@ -159,9 +158,6 @@ def _block(x, p, shared, lengths, config: ModelConfig, rows=None):
         k, v = kv[:, :, 0], kv[:, :, 1]  # (batch, seq, heads, head_dim)
         x, h = gather(x, rows), gather(h, rows)  # (batch, count, hidden)
         q = layers.dense(h, q_part, dtype).reshape(batch, -1, c.heads, c.head_dim)
-    mask = shared["mask"]
-    if "is_global" in p:
-        mask = jnp.where(p["is_global"], mask, shared["local_mask"])
     if c.positions == "rope":
         cos, sin = shared["rope_global"]  # (batch, seq, head_dim) each
         if "is_global" in p:
@@ -172,16 +168,7 @@ def _block(x, p, shared, lengths, config: ModelConfig, rows=None):
         if rows is not None:
             cos, sin = gather(cos, rows), gather(sin, rows)  # (batch, count, head_dim)
         q = positions_lib.rotate(q, cos, sin)
-    if rows is None and "is_global" in p and pattern.blocked_local(c, seq):
-        ctx = jax.lax.cond(  # one compiled block for both kinds; only the layer's runs
-            p["is_global"],
-            lambda: attention_lib.attend(q, k, v, shared["mask"], c.attention, lengths,
-                                         dtype).astype(jnp.float32),
-            lambda: attention_lib.blocked_local_attend(q, k, v, shared["key_real"],
-                                                       shared["segments"], c.local_window // 2,
-                                                       dtype))
-    else:
-        ctx = attention_lib.attend(q, k, v, mask, c.attention, lengths, dtype)  # (b, q, n, hd)
+    ctx = pattern.layer_attention(q, k, v, p, shared, c, rows)  # (batch, q, heads, hd) f32
     attn = layers.dense(ctx.reshape(*q.shape[:2], hidden), p["attention_output"], dtype)
     x = x + layers.dropout(attn.astype(jnp.float32), p.get("dropout_key"), 0, c.dropout)
     if not pre:
@@ -202,7 +189,7 @@ def _remat(block, policy: str):
         return block
     saveable = {"block": jax.checkpoint_policies.nothing_saveable,
                 "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
-    return jax.checkpoint(block, policy=saveable, static_argnums=(4,))
+    return jax.checkpoint(block, policy=saveable, static_argnums=(3,))
 
 
 def _check_inputs(config: ModelConfig, inputs, attention_mask, segments):
@@ -277,8 +264,8 @@ def apply(
     (fast compile for deep models). Results agree to float32 rounding, not bitwise.
     ``config.remat`` recomputes activations in the backward (``jax.checkpoint``), same values.
 
-    ``query_multiple`` pads the last block's query slots to a multiple of it (default 8 with
-    ``attention="cudnn"``, whose training kernel refuses an odd query count, e.g. 19 slots at
+    ``query_multiple`` pads the last block's query slots to a multiple of it (default 8 where
+    the cudnn path runs, whose training kernel refuses an odd query count, e.g. 19 slots at
     rate 0.15 of 128): the padded slots repeat position 0 and their outputs are dropped, so
     values and gradients are those of the unpadded block.
 
@@ -291,8 +278,6 @@ def apply(
     seq = inputs.shape[1]
     attention_mask = attention_mask.astype(jnp.bool_)
     shared = pattern.shared(c, attention_mask, segments)
-    lengths = (jnp.sum(attention_mask, axis=-1, dtype=jnp.int32)  # (batch,)
-               if c.attention == "cudnn" else None)
 
     emb = params["embeddings"]
     x = emb["word"][inputs]  # (batch, seq, hidden) float32
@@ -310,7 +295,7 @@ def apply(
     unroll = (True if c.unroll is None else c.unroll) if unroll is None else unroll
 
     def step(x, p):
-        return block(x, p, shared, lengths, c), None
+        return block(x, p, shared, c), None
 
     if positions is None:
         x, _ = jax.lax.scan(step, x, stacked, unroll=unroll)
@@ -326,11 +311,10 @@ def apply(
             x, _ = jax.lax.scan(step, x, first, unroll=unroll)
         last = jax.tree_util.tree_map(lambda a: a[-1], stacked)
         count = positions.shape[1]
-        multiple = query_multiple or (CUDNN_QUERY_MULTIPLE if c.attention == "cudnn" else 1)
+        cudnn = "cudnn" in pattern.attention_plan(c, seq, rows=True).paths()
+        multiple = query_multiple or (CUDNN_QUERY_MULTIPLE if cudnn else 1)
         rows = jnp.pad(positions, ((0, 0), (0, -count % multiple)))  # padded slots: position 0
-        at_rows = {name: attention_lib.rows_mask(m, rows) if name.endswith("mask") else m
-                   for name, m in shared.items()}
-        x = block(x, last, at_rows, lengths, c, rows)[:, :count]
+        x = block(x, last, shared, c, rows)[:, :count]
     if c.layer_norm == "pre" and c.final_norm:
         x = layers.layer_norm(x, params["final_norm"], c.layer_norm_eps)
     return x

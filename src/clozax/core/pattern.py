@@ -1,6 +1,7 @@
 """The layer pattern: which blocks attend globally and which through the sliding window
-(``model.global_every``, ``model.local_window``), which block skips its attention norm
-(``model.first_attention_norm``), and what every block reads (masks, RoPE tables).
+(``model.global_every``, ``model.local_window``), which attention path each kind runs on this
+device (``attention_plan``, ``layer_attention``), which block skips its attention norm
+(``model.first_attention_norm``), and what every block reads (visibility, masks, RoPE tables).
 
 The pattern reaches the ``jax.lax.scan`` over stacked blocks as data, per-layer bool flags next
 to the parameters, so one compiled block serves every layer kind (``jnp.where`` picks the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from clozax.core import attention as attention_lib
@@ -46,20 +48,40 @@ def fused_layers(stacked: Params, config: ModelConfig) -> Params:
     return fused
 
 
-def shared(config: ModelConfig, attention_mask, segments) -> dict:
-    """What every block reads: the attention masks, (batch, 1, q or 1, k) bool, and the RoPE
-    (cos, sin) tables, (batch, seq, head_dim) float32, per layer kind."""
+def device() -> tuple[str, str]:
+    """The platform and device kind programs are traced for: this machine's default backend
+    (a test that lowers for ``cuda`` on a CPU host replaces it)."""
+    return jax.default_backend(), jax.devices()[0].device_kind
+
+
+def attention_plan(config: ModelConfig, seq: int, rows: bool = False) -> attention_lib.Plan:
+    """Which attention path each layer kind runs on ``device()`` (``attention.choose``), for
+    rows of ``seq`` keys; ``rows``: the queries are the selected positions only."""
     c = config
-    mask = attention_lib.visible(attention_mask, segments, c.attention_within_segments)
-    shared = {"mask": mask}
-    if c.has_local_layers:
-        shared["local_mask"] = mask & attention_lib.window(attention_mask.shape[1],
-                                                           c.local_window // 2)
-        if blocked_local(c, attention_mask.shape[1]):  # what the blocked path reads instead
-            shared["key_real"] = attention_mask
-            shared["segments"] = segments if c.attention_within_segments else None
+    platform, kind = device()
+    return attention_lib.choose(
+        c.attention, platform=platform, device_kind=kind,
+        within_segments=c.attention_within_segments,
+        local_half=c.local_window // 2 if c.has_local_layers else None, seq=seq,
+        bf16=c.compute_dtype == "bfloat16", rows=rows)
+
+
+def shared(config: ModelConfig, attention_mask, segments) -> dict:
+    """What every block reads: ``vis`` (``attention.Visibility`` of the full rows), the dense
+    masks the plan's dense paths take, (batch, 1, q or 1, k) bool (``mask`` for global layers,
+    ``local_mask`` under the window), and the RoPE (cos, sin) tables, (batch, seq, head_dim)
+    float32, per layer kind."""
+    c = config
+    seq = attention_mask.shape[1]
+    plan = attention_plan(c, seq)
+    vis = attention_lib.full_rows(attention_mask,
+                                  segments if c.attention_within_segments else None)
+    shared = {"vis": vis}
+    if plan.global_ in attention_lib.DENSE:
+        shared["mask"] = attention_lib.dense_mask(vis)
+    if plan.local in attention_lib.DENSE:
+        shared["local_mask"] = attention_lib.dense_mask(vis, c.local_window // 2)
     if c.positions == "rope":
-        seq = attention_mask.shape[1]
         positions = (positions_lib.document_positions(segments) if c.attention_within_segments
                      else jnp.broadcast_to(jnp.arange(seq), attention_mask.shape))
         shared["rope_global"] = positions_lib.rope_tables(positions, c.head_dim,
@@ -70,8 +92,35 @@ def shared(config: ModelConfig, attention_mask, segments) -> dict:
     return shared
 
 
-def blocked_local(config: ModelConfig, seq: int) -> bool:
-    """Whether local layers run ``attention.blocked_local_attend`` (O(seq * window)) rather
-    than full attention under the window mask: when the row is at least four windows long, so
-    that the blocked scores (1.5 windows per query) are under 3/8 of the full ones."""
-    return config.has_local_layers and seq >= 4 * config.local_window
+def layer_attention(q, k, v, p, shared, config: ModelConfig, rows=None):
+    """A block's attention by the plan's path for its kind (``attention_plan``): global layers
+    without a window, local layers with ``local_window // 2``. q: (batch, q, heads, head_dim),
+    at the positions ``rows`` (batch, q) when given; k, v: (batch, seq, heads, head_dim); ``p``
+    the layer's parameters and flags; ``shared`` as ``shared`` gives it. Returns float32.
+
+    Where both kinds run one dense path, one call takes the layer's mask (``jnp.where`` on the
+    flag); otherwise ``jax.lax.cond`` runs only the layer's path, both compiled once."""
+    c = config
+    vis = shared["vis"] if rows is None else attention_lib.at_rows(shared["vis"], rows)
+    plan = attention_plan(c, k.shape[1], rows is not None)
+    half = c.local_window // 2
+    if rows is None:
+        masks = shared.get("mask"), shared.get("local_mask")
+    else:  # the selected queries' rows of the masks, (batch, 1, count, k)
+        masks = tuple(attention_lib.dense_mask(vis, h) if path in attention_lib.DENSE else None
+                      for path, h in ((plan.global_, None), (plan.local, half)))
+
+    def global_layer():
+        return attention_lib.attend(q, k, v, vis, plan.global_, None, c.dtype, masks[0],
+                                    plan.interpret)
+
+    def local_layer():
+        return attention_lib.attend(q, k, v, vis, plan.local, half, c.dtype, masks[1],
+                                    plan.interpret)
+
+    if plan.local is None:
+        return global_layer()
+    if plan.global_ == plan.local and plan.global_ in attention_lib.DENSE:
+        mask = jnp.where(p["is_global"], masks[0], masks[1])
+        return attention_lib.attend(q, k, v, vis, plan.global_, None, c.dtype, mask)
+    return jax.lax.cond(p["is_global"], global_layer, local_layer)

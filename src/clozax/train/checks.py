@@ -51,6 +51,12 @@ def validate_for_data(config, dataset, n_devices: int) -> None:
             f"dataset seq_len {dataset.seq_len} exceeds model.max_positions="
             f"{config.model.max_positions}; raise model.max_positions or prepare shorter rows"
         )
+    if config.model.has_local_layers and config.model.local_window > dataset.seq_len:
+        raise ValueError(
+            f"model.local_window={config.model.local_window} is larger than the dataset's "
+            f"{dataset.seq_len}-token rows, so its local layers would attend like global ones; "
+            f"set model.local_window <= {dataset.seq_len} (even), or model.global_every=1"
+        )
     if config.model.vocab_size != dataset.vocab_size:
         raise ValueError(
             f"model.vocab_size={config.model.vocab_size} does not match the dataset's tokenizer "

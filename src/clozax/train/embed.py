@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clozax.core import files
+from clozax.core import files, pattern
 from clozax.core import model as model_lib
 from clozax.core.keys import Keys
 from clozax.core.optim import make_optimizer
@@ -307,7 +307,9 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
     end = config.train.steps if stop_after is None else min(config.train.steps, stop_after)
     say(f"clozax embed: {len(stage.rows['query']):,} pairs ({stage.source}), batch "
         f"{s.batch_size} x {s.seq_len} tokens per side, {s.chunks} chunk(s), "
-        f"{jax.device_count()} device(s), steps {start}->{config.train.steps}")
+        f"{jax.device_count()} device(s), attention "
+        f"{pattern.attention_plan(config.model, s.seq_len).describe()}, "
+        f"steps {start}->{config.train.steps}")
     step, loss, budget = start, math.nan, None
     replay = dict(config.train.budget_revisions)  # a resume: the lengths its budget chose
     try:

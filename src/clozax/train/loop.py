@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from clozax.core import files, flops
+from clozax.core import files, flops, pattern
 from clozax.core import model as model_lib
 from clozax.core.train_state import TrainState, with_total_steps
 from clozax.data.loader import Prefetcher
@@ -144,6 +144,7 @@ def _header(run: Run, config: RunConfig, params, start: int):
         params=model_lib.param_count(params), batch_tokens=first.batch_size * first.seq_len,
         steps=t.steps, start=start, microbatches=t.microbatches, fsdp=t.fsdp,
         processes=jax.process_count(), peak=peak_source,
+        attention=pattern.attention_plan(config.model, first.seq_len).describe(),
     )
     return peak
 

@@ -124,7 +124,7 @@ class TrainLog:
             self.console.print(message)
 
     def header(self, *, devices, platform, dtype, params, batch_tokens, steps, start,
-               microbatches, fsdp=False, processes=1, peak: str = "") -> None:
+               microbatches, fsdp=False, processes=1, peak: str = "", attention: str = "") -> None:
         if not self.enabled:
             return
         placement = "sharded (fsdp)" if fsdp and devices > 1 else "replicated"
@@ -133,7 +133,7 @@ class TrainLog:
             + (f" in {processes} processes" if processes > 1 else "") + f", compute {dtype}, "
             f"{params / 1e6:.2f}M parameters {placement}, effective batch {batch_tokens} tokens "
             f"({microbatches} microbatch(es)), steps {start}->{steps}"
-            + (f"; {peak}" if peak else "")
+            + (f"; attention {attention}" if attention else "") + (f"; {peak}" if peak else "")
         )
 
     def start(self, total: int, completed: int) -> None:

@@ -3,9 +3,12 @@ checkpoint's parameters.
 
 A run directory (written by ``clozax train`` or ``clozax import-hf``) holds:
 ``config.json`` (resolved RunConfig), ``run.json`` (provenance: dataset path and fingerprint,
-tokenizer sha256, specials, seeds), ``tokenizer.json`` (the frozen tokenizer), ``checkpoints/``
-(orbax; ``state`` = TrainState(step, params, opt_state) and ``meta`` JSON), ``eval_masks.npz`` +
-``eval_masks.json`` (the frozen eval-mask set), ``metrics.jsonl``.
+tokenizer sha256, specials, seeds; ``attention``: the ``model.attention`` setting, the platform
+the run started on and the attention path of each layer kind at each row length, e.g.
+``{"seq_len": 1024, "global": "flash", "local": "flash"}``), ``tokenizer.json`` (the frozen
+tokenizer), ``checkpoints/`` (orbax; ``state`` = TrainState(step, params, opt_state) and
+``meta`` JSON), ``eval_masks.npz`` + ``eval_masks.json`` (the frozen eval-mask set),
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from clozax import __version__
-from clozax.core import files, locks
+from clozax.core import attention, files, locks
 from clozax.core import model as model_lib
 from clozax.core.model_config import runnable_here
 from clozax.core.optim import make_optimizer
@@ -197,8 +200,11 @@ def resolve_run(run_dir: Path, config: config_lib.RunConfig, dataset, init_from:
         config = replace(config, model=init_run.config.model)
         say(f"--init-from {init_from}: {init_head(init_run)}")
     if runnable_here(config.model) != config.model:
-        raise ValueError(f"model.attention={config.model.attention!r} needs an NVIDIA GPU "
-                         f"(this machine runs {jax.default_backend()}); use 'auto'")
+        here = [impl for impl in attention.IMPLS if attention.runs_here(impl)]
+        raise ValueError(f"model.attention={config.model.attention!r} "
+                         f"({attention.NVIDIA_ONLY[config.model.attention]}) needs an NVIDIA GPU "
+                         f"and this machine runs {jax.default_backend()}; choose one of "
+                         f"{', '.join(map(repr, here))}")
     return config, existing, extending, init_run, info
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clozax.core import files
+from clozax.core import files, pattern
 from clozax.core.keys import Keys
 from clozax.core.optim import make_optimizer, piecewise_rate
 from clozax.core.train_state import TrainState, init_params, new_state, with_total_steps
@@ -166,6 +166,7 @@ def write_run(run: Run, config: RunConfig, init_from, evaluator: Evaluator, buil
             "seed": config.train.seed,
             "eval_seed": config.train.eval_seed,
             "init_from": str(Path(init_from).absolute()) if init_from else None,
+            "attention": attention_record(config, run.plan),
             **({"init_mlm_head": init_mlm_head(init_run)} if init_run else {}),
             **({"phases": run.phase_records,
                 "source_trained_length": init_run.trained_length if init_run else 0}
@@ -178,6 +179,18 @@ def write_run(run: Run, config: RunConfig, init_from, evaluator: Evaluator, buil
                      f"{config.train.steps} steps (schedule re-created for "
                      f"{config.train.steps})")
     return evaluator.run_eval_set(built_masks)
+
+
+def attention_record(config: RunConfig, plan: Plan) -> dict:
+    """``run.json``'s ``attention``: the setting, the platform and the path each layer kind runs
+    at each row length the run trains on (``pattern.attention_plan``)."""
+    paths = {}
+    for segment in plan.segments:
+        model = segment_config(config, segment).model
+        paths.setdefault(segment.seq_len,
+                         pattern.attention_plan(model, segment.seq_len).record())
+    return {"setting": config.model.attention, "platform": pattern.device()[0],
+            "paths": [{"seq_len": n, **paths[n]} for n in sorted(paths)]}
 
 
 def restore(run: Run, config: RunConfig, state: TrainState,
