@@ -495,6 +495,24 @@ def test_an_atomic_write_syncs_the_file_before_its_rename_and_the_directory_afte
     assert events[-1] == ("fsync", str(tmp_path))  # the rename made durable
 
 
+@pytest.mark.fast
+def test_an_atomic_write_of_the_same_content_leaves_the_file_alone(tmp_path):
+    """Rewritten only when its content changes: the same bytes keep the file (inode and
+    modification time); other bytes, even of the same length, replace it."""
+    from clozax.core import files
+
+    path = files.write_json(tmp_path / "settings.json", {"lr": 1e-3, "seed": 0})
+    before = path.stat()
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns - 10**9))  # a second earlier
+    before = path.stat()
+    files.write_json(path, {"lr": 1e-3, "seed": 0})
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    files.write_json(path, {"lr": 1e-3, "seed": 1})  # same length, other bytes
+    assert files.read_json(path) == {"lr": 1e-3, "seed": 1}
+    assert path.stat().st_mtime_ns != before.st_mtime_ns
+
+
 NO_FLOCK_WRITER = """
 import errno, fcntl, json, sys, time
 from pathlib import Path

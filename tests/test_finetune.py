@@ -295,6 +295,26 @@ def test_a_diverging_rate_is_a_result_and_the_grid_goes_on(tiny_run_copy, task_f
                         progress=False)
 
 
+def test_a_rerun_of_the_same_protocol_rewrites_no_job_file(tiny_run_copy, task_files):
+    """Anything that watches the job directory sees a change only where there is one: the
+    same command again leaves every file of ``jobs/`` as it was (inode and modification time);
+    ``settings.json`` was rewritten on every rerun."""
+    spec = ft.TaskSpec(train=task_files["classification"], name="watched")
+    protocol = ft.Protocol(learning_rates=(1e-3,), seeds=1, epochs=1, batch_size=16,
+                           control=False)
+    ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
+    jobs = tiny_run_copy / "finetune" / "watched" / "jobs"
+
+    def stats():
+        return {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in jobs.rglob("*")
+                if p.is_file()}
+
+    before = stats()
+    assert any(p.name == "settings.json" for p in before)
+    ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
+    assert stats() == before
+
+
 def test_a_rerun_trains_only_new_jobs_and_model_is_always_the_job_result_names(
         tiny_run_copy, task_files, monkeypatch):
     real, trained = jobs_lib.run_job, []

@@ -147,6 +147,47 @@ def test_a_run_in_phases_may_move_its_datasets_but_not_change_them(tmp_path):
         run_records(changed, changed_data, tmp_path / "run", recorded)
 
 
+def test_a_run_in_phases_resumes_after_its_datasets_and_config_moved(stdlib_data, data32,
+                                                                    tmp_path):
+    """Killed after its first checkpoint, then the datasets and the TOML (whose second phase
+    names its data relative to the file) moved to another folder: the same command resumes
+    and finishes, and config.json and run.json name the datasets where they are now. It was
+    refused: `phases[1]: data` differed."""
+    import shutil
+
+    def place(root: Path):
+        root.mkdir()
+        shutil.copytree(data32, root / "d32")
+        shutil.copytree(stdlib_data, root / "d64")
+        (root / "conf").mkdir()
+        return _toml(root / "conf", """
+[model]
+preset = "tiny"
+[train]
+batch_size = 8
+save_every = 2
+eval_every = 4
+[[phases]]
+steps = 2
+[[phases]]
+data = "../d64"
+steps = 2
+""")
+
+    run = tmp_path / "run"
+    cfg = config_lib.resolve(place(tmp_path / "here"))
+    train_lib.train(tmp_path / "here" / "d32", run, cfg, stop_after=2)
+    shutil.rmtree(tmp_path / "here")
+    moved = config_lib.resolve(place(tmp_path / "there"))
+    result = train_lib.train(tmp_path / "there" / "d32", run, moved)
+    assert result.steps == 4
+    there = (tmp_path / "there" / "d64").resolve()
+    saved = json.loads((run / "config.json").read_text())
+    assert Path(saved["phases"][1]["data"]).resolve() == there
+    info = json.loads((run / "run.json").read_text())
+    assert Path(info["phases"][1]["data"]).resolve() == there
+
+
 def test_the_row_stream_reads_every_row_once_per_epoch_whatever_the_batch_sizes():
     rows, seed = 37, 5
     sizes = [4, 4, 8, 8, 8, 16, 16, 16, 16]  # 96 rows: 2 epochs and 22 more

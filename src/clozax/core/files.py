@@ -80,8 +80,14 @@ def write_bytes(path: Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (temporary sibling, then rename) and durably:
     the file's bytes are synced before the rename and the directory's entry after it, so a
     host crash (power loss, a kernel panic) leaves the old file or the new one, never an
-    empty or torn one. A process kill needs only the rename."""
+    empty or torn one. A process kill needs only the rename.
+
+    A file that already holds exactly ``data`` is left alone (not rewritten, its modification
+    time kept): whatever watches a run's or a job's directory sees a change only where there
+    is one."""
     path = Path(path)
+    if _holds(path, data):
+        return path
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("wb") as f:
@@ -94,6 +100,16 @@ def write_bytes(path: Path, data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether ``path`` is a file of exactly ``data`` (its size checked first)."""
+    try:
+        if path.stat().st_size != len(data):
+            return False
+        return path.read_bytes() == data
+    except OSError:
+        return False
 
 
 def sync_dir(directory: Path) -> None:

@@ -7,6 +7,7 @@ checkpoint).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -88,8 +89,12 @@ def set_up(data_dir, run_dir: Path, config: RunConfig, init_from, extend_to, sta
                                 if existing else None)
     if existing and primary and phase_records and info.get("phases") != phase_records:
         files.write_json(run_dir / RUN_FILE, {**info, "phases": phase_records})  # moved data
-        log.info(f"run {run_dir}: its phases' datasets moved; run.json now names them where "
-                 "they are (the same fingerprints)")
+        saved = json.loads((run_dir / CONFIG_FILE).read_text())
+        for recorded, phase in zip(saved["phases"], config.phases, strict=True):
+            recorded["data"] = phase.data
+        files.write_json(run_dir / CONFIG_FILE, saved, sort_keys=True)
+        log.info(f"run {run_dir}: its phases' datasets moved; run.json and config.json now "
+                 "name them where they are (the same fingerprints)")
     vocab = Vocabulary(dataset.vocab_size, dataset.specials)
     keys = Keys.from_seed(config.train.seed)
     return Run(data_dir, run_dir, plan, datasets, dataset, existing, extending, init_run,
