@@ -16,12 +16,13 @@ One function per path; every path is the same maths, so ``model.attention`` is s
 - ``xla``: ``jax.nn.dot_product_attention`` over the dense mask; O(n²). ``auto`` on TPUs and
   other GPUs, and for NVIDIA float32 rows without documents.
 - ``cudnn``: cuDNN's fused flash kernel given per-row lengths, never a mask; O(n). ``auto`` on
-  NVIDIA GPUs for bf16 rows without per-document attention.
+  NVIDIA GPUs for bf16 rows without per-document attention whose shapes it takes
+  (``cudnn_fits``; XLA's attention otherwise).
 - ``flash``: clozax's Pallas kernel with segment ids and an optional window
   (``clozax.core.flash``); O(n). ``auto`` on NVIDIA GPUs for packed documents and every local
   layer.
 - ``blocked``: local layers in XLA, each block of queries against its neighbouring key blocks;
-  O(n·w). ``auto`` on CPUs and TPUs for local layers on rows of 4 windows or more.
+  O(n·w). ``auto`` on CPUs, TPUs and other GPUs for local layers on rows of 4 windows or more.
 
 Why these choices (unmeasured on a GPU until a device is lent; ``benchmarks/gpu_check.sh`` times
 every path side by side so the next measurement can move ``choose``):
@@ -269,19 +270,29 @@ class Plan(NamedTuple):
         return (self.global_,) if self.local is None else (self.global_, self.local)
 
 
+def cudnn_fits(head_dim: int, seq: int) -> bool:
+    """Whether cuDNN's fused training kernel takes these shapes: a head dim that is a multiple
+    of 8 and at most 128 (JAX's ``check_is_flash_attention``), and rows whose length is a
+    multiple of 8 (it refuses an odd query count in training: 19 slots crashed an H200 run)."""
+    return head_dim % 8 == 0 and head_dim <= 128 and seq % 8 == 0
+
+
 def choose(impl: str, *, platform: str, device_kind: str, within_segments: bool,
-           local_half: int | None, seq: int, bf16: bool, rows: bool = False) -> Plan:
+           local_half: int | None, seq: int, bf16: bool, rows: bool = False,
+           head_dim: int = 64) -> Plan:
     """The path of each layer kind: ``impl`` unless ``auto``, which picks by device, shape and
-    mask (the table in this module's docstring). ``local_half`` is None without local layers;
-    ``rows``: the queries are the selected positions only (``apply(positions=)``'s last block,
-    which ``blocked`` cannot run). Pure: the tests ask what a GPU would get on a CPU."""
+    mask (the table in this module's docstring; cuDNN only where ``cudnn_fits``).
+    ``local_half`` is None without local layers; ``rows``: the queries are the selected
+    positions only (``apply(positions=)``'s last block, which ``blocked`` cannot run). Pure:
+    the tests ask what a GPU would get on a CPU."""
     nvidia = platform == "gpu" and "nvidia" in device_kind.lower()
     dense = "einsum" if platform == "cpu" else "xla"
     long_row = local_half is not None and not rows and seq >= 8 * local_half  # 4 windows
     if impl == "auto":
         if nvidia:
             unpacked = not within_segments
-            global_ = "cudnn" if unpacked and bf16 else "xla" if unpacked else "flash"
+            fits = bf16 and cudnn_fits(head_dim, seq)
+            global_ = "cudnn" if unpacked and fits else "xla" if unpacked else "flash"
             local = "flash"
         else:
             global_, local = dense, "blocked" if long_row else dense

@@ -7,7 +7,8 @@ a ±64-token local layer at 8,192 tokens still does O(n²) work, and packed shor
 for every other document's keys. Here each query block visits only the key blocks that can hold
 a key it may see — the span of its queries' documents, cut to their windows — and each key
 block only the query blocks that can see it (``block_ranges``). Work and memory are then
-O(n · w) for a window w and O(Σ document²) for packed documents, never O(n²) in memory.
+O(n · w) for a window w and O(Σ document²) for packed documents; no (n, n) array is ever
+made (the block tables are (n / 64)² booleans).
 
 What a query sees (the same rule as ``clozax.core.attention.reference``): key ``j`` is visible
 to query ``i`` when ``q_seg[i] == k_seg[j]`` and, with a window, ``|q_pos[i] - j| <= half``.
@@ -323,12 +324,15 @@ def flash_attention(q, k, v, q_pos, q_seg, k_seg, half: int | None = None, *,
     in q's dtype; a query that sees no key gets zeros. ``block`` (default ``BLOCK``): query and
     key rows per program. ``interpret`` (default: on a CPU) runs the kernels in Pallas's
     interpreter. Rows are padded to whole blocks (padded queries and
-    keys get segment id -1, which clozax's rows never use, and are dropped again), the head
-    dimension to a power of two (zeros: scores and outputs unchanged).
+    keys get segment ids -2 and -1, which clozax's rows never use, and are dropped again), the
+    head dimension to a power of two (zeros: scores and outputs unchanged). float32 inputs with
+    a head dim over 64 take 32-row blocks: the dk/dv kernel's tiles would otherwise fill the
+    GPU's shared memory.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    block = BLOCK if block is None else block
+    if block is None:
+        block = BLOCK // 2 if q.dtype == F32 and q.shape[-1] > 64 else BLOCK
     batch, nq, heads, head_dim = q.shape
     nk = k.shape[1]
     block_q = min(block, max(16, _power_of_two(nq)))
@@ -344,7 +348,7 @@ def flash_attention(q, k, v, q_pos, q_seg, k_seg, half: int | None = None, *,
         return jnp.pad(t, widths, constant_values=value)
 
     q_pos = pad_rows(jnp.asarray(q_pos, jnp.int32), pad_q, 0)
-    q_seg = pad_rows(jnp.asarray(q_seg, jnp.int32), pad_q, -1)
+    q_seg = pad_rows(jnp.asarray(q_seg, jnp.int32), pad_q, -2)  # sees no key, not even -1s
     k_seg = pad_rows(jnp.asarray(k_seg, jnp.int32), pad_k, -1)
     q, k, v = pad_rows(q, pad_q, 0), pad_rows(k, pad_k, 0), pad_rows(v, pad_k, 0)
     blocks = jax.tree.map(lax.stop_gradient,

@@ -63,7 +63,7 @@ def attention_plan(config: ModelConfig, seq: int, rows: bool = False) -> attenti
         c.attention, platform=platform, device_kind=kind,
         within_segments=c.attention_within_segments,
         local_half=c.local_window // 2 if c.has_local_layers else None, seq=seq,
-        bf16=c.compute_dtype == "bfloat16", rows=rows)
+        bf16=c.compute_dtype == "bfloat16", rows=rows, head_dim=c.head_dim)
 
 
 def shared(config: ModelConfig, attention_mask, segments) -> dict:
