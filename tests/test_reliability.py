@@ -149,6 +149,95 @@ def test_disk_full_during_a_save_is_one_line_and_leaves_no_temporary(tiny_run_co
     assert load_run(tiny_run_copy).step == 6
 
 
+FULL_DISK_MIB = 12
+
+
+def _small_disk(where: Path) -> dict:
+    """A 12 MiB filesystem at ``where``: a real tmpfs where this machine lets the test mount
+    one (root with the capability; unmounted by the caller), else a simulation: a process
+    whose files may not grow past 12 MiB (``RLIMIT_FSIZE``, writes failing with EFBIG). Returns
+    the ``subprocess.run`` keywords that run a command against it."""
+    import resource
+    import signal
+    import subprocess
+
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL_DISK_MIB}m", "tmpfs",
+                              str(where)], capture_output=True).returncode == 0
+    if mounted:
+        return {"mounted": True}
+    limit = FULL_DISK_MIB * 2**20
+
+    def capped():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return {"mounted": False, "preexec_fn": capped}
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_train_is_one_line_and_nothing_else(tmp_path):
+    """`clozax train --preset small` on 128-token rows into a 12 MiB filesystem: the first
+    save cannot fit. The one-line error is all the command prints besides its own lines:
+    orbax's unfinished writes into its closed event loop printed 23-75 "Event loop is closed"
+    tracebacks and "Task exception was never retrieved" logs (365 lines), 3 of 3 runs."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "d128"
+    prepare(data, corpus="stdlib", vocab_size=1024, seq_len=128, quiet=True)
+    disk = tmp_path / "disk"
+    how = _small_disk(disk)
+    env = {**__import__("os").environ, "CLOZAX_COMPILATION_CACHE": "off"}
+    try:
+        ran = subprocess.run(
+            [sys.executable, "-m", "clozax.cli", "train", "--data", str(data), "--out",
+             str(disk / "run"), "--preset", "small", "--steps", "20",
+             "--set", "train.save_every=5"], capture_output=True, text=True, env=env,
+            timeout=600, preexec_fn=how.get("preexec_fn"))
+    finally:
+        if how["mounted"]:
+            subprocess.run(["umount", str(disk)], capture_output=True)
+    assert ran.returncode == 2, ran.stderr[-3000:]
+    errors = [line for line in ran.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "could not save the checkpoint at step 5" in errors[0]
+    for echo in ("Traceback", "Event loop is closed", "never retrieved", "ERROR:"):
+        assert echo not in ran.stdout + ran.stderr, (how["mounted"], ran.stderr[-3000:])
+    ours = ("clozax train:", "effective batch", "no MFU", "compiled and ran", "error:")
+    stray = [line for line in ran.stderr.splitlines()
+             if line.strip() and not line.startswith(ours)]
+    assert len(stray) <= 2, stray  # the header's wrapped continuation lines only
+
+
+def test_only_a_failed_saves_echoes_are_silenced(monkeypatch, caplog):
+    """The closed loop's RuntimeError and asyncio's unretrieved orbax write go; another
+    unraisable exception and another never-retrieved task still reach their hook and log."""
+    import logging
+    import sys
+    import types
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+    monkeypatch.setattr(ckpt, "_echoes_silenced", False)
+    asyncio_log = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_log, "filters", [])
+    ckpt._silence_failed_save_echoes()
+
+    def unraisable(e):
+        return types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=None,
+                                     err_msg=None, object=None)
+
+    sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))
+    sys.unraisablehook(unraisable(ValueError("something else")))
+    assert seen == ["something else"]
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio_log.error("Future exception was never retrieved\nfuture: <Future "
+                          "exception=ValueError('.../5.orbax-checkpoint-tmp/...')>")
+        asyncio_log.error("Task exception was never retrieved\nfuture: <Task coro=<mine()>>")
+    assert [r.getMessage().split("\n")[1] for r in caplog.records] == [
+        "future: <Task coro=<mine()>>"]
+
+
 def test_a_failed_save_names_its_real_cause_not_the_disk(tiny_run_copy, monkeypatch):
     message = _save_failing_with(PermissionError(13, "Permission denied"), tiny_run_copy,
                                  monkeypatch)

@@ -22,7 +22,16 @@ removed by a live trainer while a reader restores it makes the reader take the n
 
 Any failure of a save (disk full, I/O error, orbax's own errors) becomes one ``CheckpointError``
 line naming the directory, the cause and its free space; orbax's temporary directory is removed
-and the previous checkpoint stays loadable.
+and the previous checkpoint stays loadable. Nothing else is printed: orbax writes a step's
+arrays as asyncio tasks over tensorstore futures, and when one write fails its event loop closes
+while the others are still in flight. Each of those then reports into the closed loop
+(``RuntimeError: Event loop is closed``, through ``sys.unraisablehook``) and asyncio logs every
+failed task or future nobody awaited ("... exception was never retrieved"): dozens of
+tracebacks, some after the process began to exit, echoes of the one failure already reported.
+``_silence_failed_save_echoes`` (from the first save on: the echoes start in the background,
+before the failure reaches the main thread) drops exactly those two kinds — they arise only from
+a loop closed over unfinished writes, that is from a failed save; any other unraisable exception
+or asyncio error still prints.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -96,6 +106,7 @@ class Checkpointer:
         are off the device. The previous save is finished first."""
         assert not self.read_only, "a read-only checkpointer never saves"
         self.wait()
+        _silence_failed_save_echoes()  # a write failing in the background echoes at once
         try:
             self.manager.save(
                 step,
@@ -291,6 +302,35 @@ class Checkpointer:
         if self.writes and self.directory.is_dir():
             for tmp in self.directory.glob(f"*{_TMP_MARK}*"):
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+_echoes_silenced = False
+
+
+def _silence_failed_save_echoes() -> None:
+    """From now on in this process, drop the echoes of a failed orbax save (the module's
+    docstring), which surface in orbax's and tensorstore's threads, not as exceptions we
+    catch: an unraisable ``RuntimeError("Event loop is closed")`` and asyncio's "Task (or
+    Future) exception was never retrieved" for orbax's writes. Installed once; every other
+    unraisable exception and log record goes where it went."""
+    global _echoes_silenced
+    if _echoes_silenced:
+        return
+    _echoes_silenced = True
+    previous = sys.unraisablehook
+
+    def unraisable(u):
+        if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            return
+        previous(u)
+
+    def from_orbax(record: logging.LogRecord) -> bool:  # False: drop it
+        message = record.getMessage()
+        return not ("exception was never retrieved" in message.split("\n", 1)[0]
+                    and "orbax" in message)  # a Task's or a Future's
+
+    sys.unraisablehook = unraisable
+    logging.getLogger("asyncio").addFilter(from_orbax)
 
 
 def _beside_a_trainer(read: Callable, tries: int = 20):
