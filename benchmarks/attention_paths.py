@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+from shapes import visible_pairs
+
 CASES = ("rows", "documents", "window")  # padding only; packed documents; documents + window
 HALF = 64  # ModernBERT's local_attention // 2
 
@@ -92,31 +94,21 @@ def measure(path: str, case: str, seq: int, args) -> dict:
         jax.block_until_ready(compiled(q, k, v))
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    pairs = visible_pairs(real, segments if within else None, half)
+    pairs = pairs_of(real, segments if within else None, half)
     flops = 12 * pairs * args.head_dim * args.heads
     return {"path": path, "case": case, "seq": seq, "batch": batch, "ms": seconds * 1e3,
             "tflops": flops / seconds / 1e12, "temp_mib": None if temp is None else temp / 2**20}
 
 
-def visible_pairs(real, segments, half) -> float:
-    """Visible (query, key) pairs, counted without a (seq, seq) mask: per document (or row),
-    the pairs within the window."""
-    import numpy as np
-
-    total = 0.0
-    for b in range(real.shape[0]):
-        ids = segments[b] if segments is not None else real[b].astype(np.int32)
-        n_real = int(real[b].sum())
-        for doc in np.unique(ids[real[b]]):
-            n = int(np.sum(ids[real[b]] == doc)) if segments is not None else n_real
-            if half is None:
-                total += n * n
-            else:  # pairs with |i - j| <= half inside a run of n
-                w = min(half, n - 1)
-                total += n + 2 * (w * n - w * (w + 1) / 2)
-        if segments is None:
-            total += (real.shape[1] - n_real) * n_real  # padding queries see the real keys
-    return total
+def pairs_of(real, segments, half) -> float:
+    """Visible (query, key) pairs of a case: ``shapes.visible_pairs`` of its documents (each
+    row one document without per-document attention), plus, without documents, what padding
+    queries see (every real key, as on the dense paths)."""
+    if segments is not None:
+        return visible_pairs(segments, half)[0]
+    pairs = visible_pairs(real.astype("int32"), half)[0]
+    n_real = real.sum(axis=1)
+    return pairs + float(((real.shape[1] - n_real) * n_real).sum())
 
 
 def _out_of_memory(error: str) -> bool:

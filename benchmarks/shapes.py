@@ -77,3 +77,17 @@ def load_rows(data: Path | None, synthetic: bool, vocab: int, seq: int, n: int =
     return Rows(np.asarray(split.tokens, np.int32), np.asarray(split.segments, np.int32),
                 np.asarray(split.word_starts, bool), dict(ds.specials), vocab,
                 f"{data} train split, {split.rows} rows")
+
+
+def visible_pairs(segments: np.ndarray, half: int | None = None) -> tuple[float, int]:
+    """(visible (query, key) pairs, real tokens) of per-document attention over ``segments``
+    (rows, seq) int, 0 = padding: each real query sees its own document's keys, within ``half``
+    of it when given. Counted per document run, without a (seq, seq) mask. Shared by
+    ``timing.visible_keys`` (compare_hf.py's useful FLOPs) and ``attention_paths.py``."""
+    pairs, tokens = 0.0, 0
+    for row in segments:
+        for n in np.unique(row[row > 0], return_counts=True)[1]:
+            w = n - 1 if half is None else min(half, n - 1)
+            pairs += n + 2 * (w * n - w * (w + 1) / 2)  # |i - j| <= w inside a run of n
+            tokens += int(n)
+    return pairs, tokens

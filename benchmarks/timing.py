@@ -14,7 +14,7 @@ import time
 
 from clozax_side import ClozaxSide
 from hf_side import HFSide, hf_dims, torch_sync
-from shapes import DTYPES, SHAPES, Rows
+from shapes import DTYPES, SHAPES, Rows, visible_pairs
 
 from clozax.core.flops import executed_flops_per_step, layer_keys, useful_flops_per_step
 
@@ -23,19 +23,11 @@ def visible_keys(rows: Rows, layers: int, global_every: int, window: int) -> lis
     """Keys a query attends to, per layer, averaged over the rows' tokens: ``layer_keys`` for
     one document a row; with packed documents, each query's document (cut to the window on
     local layers), which is all per-document attention computes and all the loss depends on."""
-    import numpy as np
-
     segments = rows.segments[:64]
     if (segments == segments[:, :1]).all():
         return layer_keys(segments.shape[1], layers, global_every, window)
-    half, seen_global, seen_local, tokens = window // 2, 0.0, 0.0, 0
-    for row in segments:
-        for n in np.unique(row[row > 0], return_counts=True)[1]:
-            position = np.arange(n)
-            seen_global += n * n
-            seen_local += np.sum(np.minimum(position, half) + np.minimum(n - 1 - position, half)
-                                 + 1)
-            tokens += n
+    (seen_global, tokens), (seen_local, _) = (visible_pairs(segments, half)
+                                              for half in (None, window // 2))
     return [seen_global / tokens if i % global_every == 0 else seen_local / tokens
             for i in range(layers)]
 

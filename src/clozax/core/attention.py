@@ -165,13 +165,13 @@ def cudnn(q, k, v, vis: Visibility, dtype):
                                         implementation="cudnn").astype(jnp.float32)
 
 
-def flash(q, k, v, vis: Visibility, half: int | None, dtype, interpret: bool = False):
+def flash(q, k, v, vis: Visibility, half: int | None, dtype, interpret: bool | None = None):
     """``clozax.core.flash``: segment ids and the window in one Pallas kernel, O(n) memory.
 
     The visibility becomes segment ids: a key's id is its document (1 without documents) when
     real and -1 when not; a query's is its document (1 without documents), so each query sees
     exactly the keys ``dense_mask`` gives it. ``interpret``: run the kernels in Pallas's
-    interpreter (a CPU, which has no Triton). Returns float32."""
+    interpreter (default: on a CPU, which has no Triton). Returns float32."""
     q, k, v = (t.astype(dtype) for t in (q, k, v))
     within = vis.k_seg is not None
     k_seg = jnp.where(vis.key_real, vis.k_seg if within else 1, -1)
@@ -239,7 +239,6 @@ def attend(q, k, v, vis: Visibility, path: str, half: int | None = None, dtype=N
             raise ValueError("the cudnn attention path has no two-sided window; use 'flash'")
         return cudnn(q, k, v, vis, dtype)
     if path == "flash":
-        interpret = jax.default_backend() == "cpu" if interpret is None else interpret
         return flash(q, k, v, vis, half, dtype, interpret)
     if path == "blocked":
         if half is None or q.shape[1] != k.shape[1]:

@@ -351,8 +351,7 @@ def flash_attention(q, k, v, q_pos, q_seg, k_seg, half: int | None = None, *,
     q_seg = pad_rows(jnp.asarray(q_seg, jnp.int32), pad_q, -2)  # sees no key, not even -1s
     k_seg = pad_rows(jnp.asarray(k_seg, jnp.int32), pad_k, -1)
     q, k, v = pad_rows(q, pad_q, 0), pad_rows(k, pad_k, 0), pad_rows(v, pad_k, 0)
-    blocks = jax.tree.map(lax.stop_gradient,
-                          block_ranges(q_pos, q_seg, k_seg, half, block_q, block_k))
+    blocks = block_ranges(q_pos, q_seg, k_seg, half, block_q, block_k)  # ints: no gradient
     static = _Static(1.0 / math.sqrt(head_dim), half, block_q, block_k, bool(interpret),
                      4 if d <= 64 else 8)
     out = _flash(static, q, k, v, q_pos, q_seg, k_seg, blocks)

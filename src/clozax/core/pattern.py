@@ -69,18 +69,15 @@ def attention_plan(config: ModelConfig, seq: int, rows: bool = False) -> attenti
 def shared(config: ModelConfig, attention_mask, segments) -> dict:
     """What every block reads: ``vis`` (``attention.Visibility`` of the full rows), the dense
     masks the plan's dense paths take, (batch, 1, q or 1, k) bool (``mask`` for global layers,
-    ``local_mask`` under the window), and the RoPE (cos, sin) tables, (batch, seq, head_dim)
-    float32, per layer kind."""
+    ``local_mask`` under the window; None where the path takes none), and the RoPE (cos, sin)
+    tables, (batch, seq, head_dim) float32, per layer kind."""
     c = config
     seq = attention_mask.shape[1]
     plan = attention_plan(c, seq)
     vis = attention_lib.full_rows(attention_mask,
                                   segments if c.attention_within_segments else None)
     shared = {"vis": vis}
-    if plan.global_ in attention_lib.DENSE:
-        shared["mask"] = attention_lib.dense_mask(vis)
-    if plan.local in attention_lib.DENSE:
-        shared["local_mask"] = attention_lib.dense_mask(vis, c.local_window // 2)
+    shared["mask"], shared["local_mask"] = _dense_masks(vis, plan, c.local_window // 2)
     if c.positions == "rope":
         positions = (positions_lib.document_positions(segments) if c.attention_within_segments
                      else jnp.broadcast_to(jnp.arange(seq), attention_mask.shape))
@@ -90,6 +87,13 @@ def shared(config: ModelConfig, attention_mask, segments) -> dict:
             shared["rope_local"] = positions_lib.rope_tables(positions, c.head_dim,
                                                              c.rope_theta_local)
     return shared
+
+
+def _dense_masks(vis, plan: attention_lib.Plan, half: int):
+    """(global mask, local mask): ``attention.dense_mask`` for each layer kind whose path takes
+    one, None for the others."""
+    return tuple(attention_lib.dense_mask(vis, h) if path in attention_lib.DENSE else None
+                 for path, h in ((plan.global_, None), (plan.local, half)))
 
 
 def layer_attention(q, k, v, p, shared, config: ModelConfig, rows=None):
@@ -104,11 +108,8 @@ def layer_attention(q, k, v, p, shared, config: ModelConfig, rows=None):
     vis = shared["vis"] if rows is None else attention_lib.at_rows(shared["vis"], rows)
     plan = attention_plan(c, k.shape[1], rows is not None)
     half = c.local_window // 2
-    if rows is None:
-        masks = shared.get("mask"), shared.get("local_mask")
-    else:  # the selected queries' rows of the masks, (batch, 1, count, k)
-        masks = tuple(attention_lib.dense_mask(vis, h) if path in attention_lib.DENSE else None
-                      for path, h in ((plan.global_, None), (plan.local, half)))
+    masks = ((shared["mask"], shared["local_mask"]) if rows is None
+             else _dense_masks(vis, plan, half))  # the selected queries' rows: (b, 1, count, k)
 
     def global_layer():
         return attention_lib.attend(q, k, v, vis, plan.global_, None, c.dtype, masks[0],
