@@ -106,7 +106,7 @@ def builtin_files(donor: Path, out: Path) -> dict:
     split → validation and test) written as three JSONL files, so an encoder without that
     dataset (the imported MiniLM) is fine-tuned on the same examples and the same splits."""
     from clozax.data.tokenizer import load_tokenizer
-    from clozax.judge import finetune as ft
+    from clozax.judge.finetune import protocol as ft
     from clozax.train.run_dir import load_run
 
     run = load_run(donor)
@@ -126,7 +126,7 @@ def task_spec(task: str, run: Path, donor: Path | None, out: Path, per_class: in
     the donor's dataset labels (its train split → train, held-out → validation and test): the
     donor's own runs read them from the dataset, every other encoder (an imported one, one
     adapted on another tokenization) from files of the same examples and splits."""
-    from clozax.judge import finetune as ft
+    from clozax.judge.finetune import protocol as ft
 
     if task == "wordnet":
         ensure_wordnet()
@@ -147,7 +147,7 @@ def dataset_of(run: Path) -> str | None:
 def finetune_rows(run: Path, task: str, spec, protocol) -> list[dict]:
     """Fine-tune ``run`` (and its random-init control) on ``spec``: one row per encoder, each
     with TF-IDF, the constant predictor and the differences' 95 % intervals over seeds."""
-    from clozax.judge import finetune as ft
+    from clozax.judge.finetune import protocol as ft
 
     started = time.perf_counter()
     result = ft.finetune_run(run, spec, protocol, progress=False)
@@ -182,8 +182,8 @@ def finetune_rows(run: Path, task: str, spec, protocol) -> list[dict]:
 def retrieval_rows(run: Path, seeds: int, steps: int) -> list[dict]:
     """The held-out first-sentence → rest retrieval of ``run`` (``clozax retrieval``): BM25,
     the raw encoder, random init + stage and trained + stage over ``seeds``; one row."""
-    from clozax.judge import retrieval_compare as retrieval
-    from clozax.train.embed import StageSettings
+    from clozax.judge.retrieval import compare as retrieval
+    from clozax.train.contrastive.stage import StageSettings
 
     started = time.perf_counter()
     settings = StageSettings(steps=steps, batch_size=32, seq_len=32)
@@ -240,7 +240,7 @@ def versus_first(table: list[dict]) -> list[dict]:
 
 
 def protocol_from(args):
-    from clozax.judge import finetune as ft
+    from clozax.judge.finetune import protocol as ft
 
     return ft.Protocol(learning_rates=None if args.lr is None else
                        tuple(float(x) for x in args.lr.split(",")),
@@ -259,7 +259,7 @@ def add_finetune_options(parser) -> None:
     parser.add_argument("--layer-decay", default="1",
                         help="layer-wise learning-rate decay, a grid chosen on validation "
                         "(clozax finetune --layer-decay)")
-    from clozax.judge.finetune_heads import POOLINGS
+    from clozax.judge.finetune.heads import POOLINGS
 
     parser.add_argument("--pooling", default=POOLINGS[0], choices=POOLINGS,
                         help="the sentence vector the head reads (clozax finetune --pooling)")

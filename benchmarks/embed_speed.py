@@ -9,7 +9,7 @@ at 1e-4 with clipping at 1.0. After warm-up (compilation excluded), timed blocks
 ``--steps-per-block`` steps alternate between the two sides, so load from other processes hits
 both; the ratio printed is the median over block pairs of clozax pairs/s over theirs.
 
-clozax side: ``clozax.train.contrastive.make_embed_step`` (InfoNCE as a (sum, count), one
+clozax side: ``clozax.train.contrastive.step.make_embed_step`` (InfoNCE as a (sum, count), one
 division), jitted with the state donated — the step ``clozax embed`` runs.
 
 sentence-transformers side: ``SentenceTransformer(modules=[Transformer, Pooling("mean")])`` on
@@ -58,7 +58,7 @@ class ClozaxSide:
         from clozax.core.optim import make_optimizer
         from clozax.core.train_state import init_params, new_state
         from clozax.train.config import OptimConfig
-        from clozax.train.contrastive import make_embed_step
+        from clozax.train.contrastive.step import make_embed_step
 
         self.jax, self.batch, self.seq = jax, batch, seq
         model = dataclasses.replace(ModelConfig(**PRESETS[preset]), vocab_size=VOCAB,

@@ -84,7 +84,7 @@ within() {  # within SECONDS CMD...: CMD under a timeout of SECONDS or what the 
 }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CLOZAX_COMPILATION_CACHE="$OUT/jax-cache"
-CLOZAX=("$PY" -m clozax.cli)
+CLOZAX=("$PY" -m clozax.app.cli)
 TRAIN=(--preset "$PRESET" --set 'model.compute_dtype="bfloat16"' --set "train.batch_size=$BATCH")
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \

@@ -37,7 +37,7 @@ def peak_rss_of(cmd: list[str], src: Path | None = None) -> dict:
     if src is not None:
         env["PYTHONPATH"] = str(src)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "clozax.cli", *cmd], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "clozax.app.cli", *cmd], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)

@@ -32,7 +32,7 @@ def _port() -> int:
 
 
 def run(data: Path, out: Path, processes: int, steps: int, preset: str, batch: int) -> dict:
-    argv = [sys.executable, "-m", "clozax.cli", "train", "--data", str(data), "--out", str(out),
+    argv = [sys.executable, "-m", "clozax.app.cli", "train", "--data", str(data), "--out", str(out),
             "--preset", preset, "--steps", str(steps), "--set", f"train.batch_size={batch}",
             "--set", "train.eval_every=100000", "--set", "train.save_every=100000",
             "--set", "train.log_every=5"]

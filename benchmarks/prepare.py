@@ -144,7 +144,7 @@ def run_prepare(corpus: str, out: Path, extra: list[str], src: Path | None = Non
                 one_core: bool = False) -> dict:
     """One prepare subprocess: wall seconds, peak RSS (MiB) and the manifest. ``src``: run the
     clozax source tree there instead (a baseline checkout); ``one_core``: pinned to core 0."""
-    cmd = [sys.executable, "-m", "clozax.cli", "prepare", "--corpus", corpus, "--out", str(out),
+    cmd = [sys.executable, "-m", "clozax.app.cli", "prepare", "--corpus", corpus, "--out", str(out),
            *extra]
     if one_core:
         cmd = ["taskset", "-c", "0", *cmd]

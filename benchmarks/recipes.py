@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from clozax.data import prepare  # noqa: E402
-from clozax.judge import finetune as finetune_lib  # noqa: E402
 from clozax.judge.evaluate import evaluate_run  # noqa: E402
+from clozax.judge.finetune import protocol as finetune_lib  # noqa: E402
 from clozax.train import compile_cache  # noqa: E402
 from clozax.train import config as config_lib  # noqa: E402
 from clozax.train import loop as train_lib  # noqa: E402

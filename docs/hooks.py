@@ -1,11 +1,11 @@
 """MkDocs hook: replaces ``<!-- reference:NAME -->`` in a page with the reference generated from
-the code (``clozax.reference``), so the command-line, config and error pages cannot drift."""
+the code (``clozax.app.reference``), so the command-line, config and error pages cannot drift."""
 
 from __future__ import annotations
 
 import re
 
-from clozax import reference
+from clozax.app import reference
 
 MARKER = re.compile(r"<!-- reference:(\w+) -->")
 

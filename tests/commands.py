@@ -1,4 +1,4 @@
-"""``clozax ARGV`` run in the pytest process through the real entry point (``clozax.cli.main``):
+"""``clozax ARGV`` run in the pytest process through the real entry point (``clozax.app.cli.main``):
 its exit code and what it printed, with no interpreter start-up, imports or compiles to pay.
 
 A test starts a real process only where the behaviour needs one: a signal or a kill, locks or
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from clozax.cli import main
+from clozax.app.cli import main
 
 
 class Ran(NamedTuple):

@@ -103,7 +103,7 @@ if env("CLOZAX_TEST_FAIL_AT"):  # "PROCESS:STEP": that process raises at that sy
         return real_check(pending, fetched, checkpointer)
     evaluation.check_finite = failing_check
 """
-WRAPPER = HOOKS + "from clozax.cli import main\nmain(sys.argv[1:])\n"
+WRAPPER = HOOKS + "from clozax.app.cli import main\nmain(sys.argv[1:])\n"
 
 # The tiny preset as the fault tests train it (the held-out sample small, a log line a step).
 TRAIN = ["--preset", "tiny", "--set", "train.batch_size=8", "--set", "train.eval_rows=16",

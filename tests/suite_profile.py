@@ -37,13 +37,13 @@ def _program(args) -> str:
         return "?"
     head = Path(argv[0]).name
     if head.startswith("python") or argv[0] == sys.executable:
-        if argv[1:3] == ["-m", "clozax.cli"]:
+        if argv[1:3] == ["-m", "clozax.app.cli"]:
             return f"clozax {argv[3]}" if len(argv) > 3 else "clozax"
         if argv[1:2] == ["-m"]:
             return f"python -m {argv[2]}"
         if argv[1:2] == ["-c"]:
             script = argv[2]
-            if "from clozax.cli import main" in script:  # tests/faults.py's wrapper
+            if "from clozax.app.cli import main" in script:  # tests/faults.py's wrapper
                 command = next((a for a in argv[3:] if not a.startswith("-")), "")
                 return f"clozax {command} (wrapped)"
             return "python -c"

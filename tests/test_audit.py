@@ -203,7 +203,7 @@ def unmasked_loss(logits, targets, selected):
 
 
 def test_clean_run_passes_every_check_through_the_cli(tiny, tmp_path, capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     run = tmp_path / "run"
     shutil.copytree(tiny.run, run)
@@ -321,7 +321,7 @@ def test_data_only_cli_exits_1_on_a_failed_check(tiny, tmp_path):
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["documents"]["read"] += 1  # accounting no longer adds up
     (data / "manifest.json").write_text(json.dumps(manifest))
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["audit", "--data", str(data), "--out", str(tmp_path / "out")])
@@ -350,7 +350,7 @@ def test_changed_dataset_tokenizer_fails_only_tokenizer_in_data_audit(tiny, tmp_
 
 
 def test_audit_cli_without_run_or_data_is_a_one_line_error(capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["audit"])

@@ -29,7 +29,7 @@ import pytest
 from orbax.checkpoint._src.path import step as orbax_step
 
 import faults
-from clozax.cli import main
+from clozax.app.cli import main
 from clozax.core import locks
 from clozax.train import checkpoint as ckpt
 from clozax.train.run_dir import load_run
@@ -99,7 +99,7 @@ def watched(stdlib_data, tmp_path_factory) -> dict:
 
 
 def _status(run: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "clozax.cli", "status", str(run), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "clozax.app.cli", "status", str(run), "--json"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -216,7 +216,7 @@ def test_peak_memory_does_not_grow_with_one_huge_document(tmp_path):
     report = tmp_path / "vmhwm"
     # Its workers' peaks come from RUSAGE_CHILDREN (an upper bound: a worker's counts what it
     # was forked from).
-    child = ("import resource, sys\nfrom clozax.cli import main\ntry:\n    main(sys.argv[2:])\n"
+    child = ("import resource, sys\nfrom clozax.app.cli import main\ntry:\n    main(sys.argv[2:])\n"
              "finally:\n"
              "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
              "    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"

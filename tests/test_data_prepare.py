@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clozax.cli import main
+from clozax.app.cli import main
 from clozax.data import open_dataset, prepare
 from clozax.data.dataset import verify_files
 
@@ -35,7 +35,7 @@ def _corpus(root: Path, n_files: int = 30, seed: int = 0) -> Path:
 
 def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "clozax.cli", "prepare", *args], stdout=subprocess.PIPE,
+        [sys.executable, "-m", "clozax.app.cli", "prepare", *args], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kw)
 
 
@@ -274,7 +274,7 @@ def test_a_full_disk_while_saving_the_tokenizer_is_one_line(tmp_path, capsys, mo
 
 @pytest.mark.fast
 def test_a_system_error_is_one_line_and_a_bug_is_not_hidden():
-    from clozax.cli import system_error_line
+    from clozax.app.cli import system_error_line
 
     assert system_error_line(OSError(28, "No space left on device", "/data/x")) == (
         "No space left on device (/data/x): free space on that disk or write somewhere "

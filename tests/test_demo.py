@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from clozax import demo as demo_lib
+from clozax.app import demo as demo_lib
 
 SECTIONS = ["Headline", "Training", "What the model predicts",
             "Held-out evaluation by corruption kind", "Downstream probe", "Fine-tuning",
@@ -21,7 +21,7 @@ SECTIONS = ["Headline", "Training", "What the model predicts",
 
 def _demo(out, timeout=420):
     return subprocess.run(
-        [sys.executable, "-m", "clozax.cli", "demo", "--out", str(out), "--preset", "tiny",
+        [sys.executable, "-m", "clozax.app.cli", "demo", "--out", str(out), "--preset", "tiny",
          "--steps", "4", "--quick"],
         capture_output=True, text=True, timeout=timeout)
 
@@ -80,7 +80,7 @@ def test_demo_refuses_a_data_directory_prepared_with_other_settings(tmp_path):
 
 
 def test_demo_rejects_nonpositive_steps_with_a_one_line_error(tmp_path, capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--out", str(tmp_path / "d"), "--steps", "0"])
@@ -92,7 +92,7 @@ def test_demo_rejects_nonpositive_steps_with_a_one_line_error(tmp_path, capsys):
 def test_the_demo_measures_its_own_peak_memory_not_the_large_process_that_started_it():
     # Linux's ru_maxrss survives exec: a demo started by a 4 GB pytest worker once "measured"
     # 5 GB. The parent here holds 1 GB; the child, a bare interpreter, measures well under it.
-    child = ("from clozax.demo import peak_rss_gb; import resource; "
+    child = ("from clozax.app.demo import peak_rss_gb; import resource; "
              "print(peak_rss_gb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     ballast = bytearray(1_000_000_000)
     ballast[::4096] = b"\x01" * len(ballast[::4096])  # resident, page by page

@@ -43,7 +43,7 @@ RECORDING = faults.HOOKS + """
 import os, sys
 from clozax.core import files
 from clozax.train import observe
-from clozax.cli import main
+from clozax.app.cli import main
 
 log = os.environ["CLOZAX_TEST_WRITES"] + "-" + os.environ.get("CLOZAX_PROCESS_ID", "single")
 real_bytes, real_metrics = files.write_bytes, observe.TrainLog.metrics

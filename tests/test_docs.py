@@ -3,7 +3,7 @@ its reference names every config key and every command-line option the code has,
 render in a browser.
 
 The site is built once for the module (about 10 s). Keys and options are enumerated here from
-the dataclasses and the typer app directly, not through ``clozax.reference``, so a key the
+the dataclasses and the typer app directly, not through ``clozax.app.reference``, so a key the
 generator skipped fails the test.
 """
 
@@ -61,7 +61,7 @@ def test_the_config_reference_names_every_key_with_its_default(site):
 def test_the_cli_reference_names_every_command_and_option(site):
     import typer.main
 
-    from clozax.cli import app
+    from clozax.app.cli import app
 
     text = page_text(site, "reference/cli.html")
     group = typer.main.get_command(app)

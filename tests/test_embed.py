@@ -17,9 +17,9 @@ import pytest
 from clozax.data import pairs as pairs_lib
 from clozax.data.dataset import open_dataset
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge.retrieval_set import heldout_set
-from clozax.train.contrastive import info_nce, make_loss_and_grads
-from clozax.train.embed import StageSettings, embed, train_in_memory
+from clozax.judge.retrieval.heldout_set import heldout_set
+from clozax.train.contrastive.stage import StageSettings, embed, train_in_memory
+from clozax.train.contrastive.step import info_nce, make_loss_and_grads
 from clozax.train.run_dir import load_run
 from commands import clozax, one_line_error
 from conftest import simulated_devices
@@ -82,7 +82,7 @@ def test_gradient_caching_gives_the_whole_batch_loss_and_gradient(tiny_run):
 DEVICE_SCRIPT = r"""
 import json, sys
 import jax, numpy as np
-from clozax.train.embed import StageSettings, train_in_memory
+from clozax.train.contrastive.stage import StageSettings, train_in_memory
 from clozax.train.mesh import make_mesh
 from clozax.train.run_dir import load_run
 run = load_run(sys.argv[1])
@@ -238,7 +238,7 @@ def test_sigterm_saves_the_step_a_second_writer_is_refused_and_the_stage_resumes
     out = tmp_path / "emb"
     argv = ["embed", str(tiny_run), "--out", str(out), "--steps", "100000", "--batch-size",
             "8", "--seq-len", "24"]
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from clozax.cli import main; "
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from clozax.app.cli import main; "
                              "main(sys.argv[1:])", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -272,7 +272,7 @@ def test_two_processes_of_two_devices_train_the_stage_of_one_process_of_four(tin
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     argv = ["--steps", "3", "--batch-size", "8", "--seq-len", "24", "--dropout", "0"]
-    script = "import sys; from clozax.cli import main; main(sys.argv[1:])"
+    script = "import sys; from clozax.app.cli import main; main(sys.argv[1:])"
     jobs = [(tmp_path / "1x4", simulated_devices(4))] + [
         (tmp_path / "2x2", {**simulated_devices(2), "CLOZAX_COORDINATOR": f"localhost:{port}",
                             "CLOZAX_NUM_PROCESSES": "2", "CLOZAX_PROCESS_ID": str(i)})
@@ -355,7 +355,7 @@ def test_a_minutes_stage_killed_after_a_re_estimate_replays_it_on_resume_to_the_
     """A kill between a budget revision (recorded in config.json) and the next checkpoint: the
     resume starts from the checkpoint before the revision, applies the recorded length at the
     step it was made, and ends with the parameters of the stage that was never killed."""
-    from clozax.train import embed as embed_lib
+    from clozax.train.contrastive import stage as embed_lib
     from clozax.train.run_dir import read_config
 
     settings = StageSettings(**{**STAGE, "steps": 50}, minutes=5.0)

@@ -167,7 +167,7 @@ def test_evaluate_cli_rejects_a_run_without_checkpoint_or_with_other_data(tiny_r
 
 def test_every_checkpoint_and_step_score_those_checkpoints_and_keep_the_newest_on_top(
         tiny_run_copy, capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
     from clozax.judge import history
     from clozax.judge.fill import fill
 

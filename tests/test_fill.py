@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from clozax import cli
+from clozax.app import cli
 from clozax.judge.fill import fill
 from clozax.train.run_dir import load_run
 from commands import one_line_error

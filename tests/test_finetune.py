@@ -13,18 +13,16 @@ import jax
 import numpy as np
 import pytest
 
-from clozax.cli import main
+from clozax.app.cli import main
 from clozax.core import locks
 from clozax.core import model_config as model_config_lib
 from clozax.core.train_state import init_params
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge import finetune as ft
-from clozax.judge import finetune_glue as glue
-from clozax.judge import finetune_heads as heads
-from clozax.judge import finetune_jobs as jobs_lib
-from clozax.judge import finetune_tasks as tasks
-from clozax.judge.finetune_predict import logits_of, predict_file
-from clozax.train import finetuned
+from clozax.judge.finetune import glue, heads, tasks
+from clozax.judge.finetune import jobs as jobs_lib
+from clozax.judge.finetune import protocol as ft
+from clozax.judge.finetune import saved as finetuned
+from clozax.judge.finetune.predict import logits_of, predict_file
 from clozax.train.run_dir import load_run
 from commands import clozax
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clozax import lesson
+from clozax.app import lesson
 from clozax.core import objective
 from commands import clozax
 

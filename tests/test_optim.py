@@ -201,7 +201,7 @@ WSD = ["optim.schedule=1-sqrt", "optim.decay_fraction=0.5"]  # 6 steps, warm-up 
 @pytest.mark.slow
 def test_a_decay_branch_equals_a_run_trained_with_that_decay_from_scratch(
         stdlib_data, tiny_run, tmp_path, capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     source = tmp_path / "wsd"
     train_lib.train(stdlib_data, source,

@@ -340,7 +340,7 @@ def _params_equal(a: Path, b: Path) -> bool:
 def test_a_two_phase_run_resumes_bitwise_before_at_and_after_its_boundary_and_exports(
         stdlib_data, data32, tmp_path, capsys):
     from clozax import interop
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     toml = _toml(tmp_path, PHASED.replace("DATA64", str(stdlib_data)))
     cfg = config_lib.resolve(toml, preset="modern-tiny")
@@ -503,7 +503,7 @@ steps = 4
 @pytest.mark.slow
 def test_a_decay_branch_of_a_run_in_phases_equals_its_phases_trained_from_scratch(
         stdlib_data, tmp_path, capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     source = tmp_path / "run"
     train_lib.train(stdlib_data, source, config_lib.resolve(

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from clozax.judge import finetune as ft
 from clozax.judge import probe as probe_lib
+from clozax.judge.finetune import protocol as ft
 from commands import one_line_error
 
 FILLER = ("alpha beta gamma delta epsilon theta kappa lambda sigma omega river stone cloud "
@@ -146,8 +146,8 @@ def test_test_rows_that_repeat_pretraining_documents_are_counted_and_excluded(pl
 
 @pytest.mark.fast
 def test_an_imported_encoders_overlap_is_unknown():
-    from clozax.judge import finetune_tasks as tasks
     from clozax.judge import overlap
+    from clozax.judge.finetune import tasks
 
     raws = {s: tasks.Raw(texts=[("a b",)], targets=["x"]) for s in ("train", "validation",
                                                                     "test")}

@@ -144,7 +144,7 @@ def test_finetune_compiles_clean_programs(programs, capsys, tiny_run_copy, tmp_p
     ran = clozax(capsys, "finetune", tiny_run_copy, "--task", task, "--lr", "3e-3",
                  "--seeds", "1", "--epochs", "1", "--no-control")
     assert ran.code == 0, ran.err
-    _assert_clean(programs, {"clozax.judge.finetune_jobs"})
+    _assert_clean(programs, {"clozax.judge.finetune.jobs"})
 
 
 def test_embed_and_retrieval_compile_clean_programs(programs, capsys, tiny_run, tmp_path):
@@ -154,4 +154,4 @@ def test_embed_and_retrieval_compile_clean_programs(programs, capsys, tiny_run, 
                  "--batch-size", "8", "--seq-len", "24", "--max-queries", "20",
                  "--out", tmp_path / "retrieval.json")
     assert ran.code == 0, ran.err
-    _assert_clean(programs, {"clozax.train.contrastive", "clozax.judge.retrieval_compare"})
+    _assert_clean(programs, {"clozax.train.contrastive.step", "clozax.judge.retrieval.compare"})

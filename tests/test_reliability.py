@@ -20,7 +20,7 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 from rich.console import Console
 
-from clozax.cli import main
+from clozax.app.cli import main
 from clozax.core import files
 from clozax.core.optim import adam_state
 from clozax.data import open_dataset, prepare
@@ -191,7 +191,7 @@ def test_a_full_disk_during_train_is_one_line_and_nothing_else(tmp_path):
     env = {**__import__("os").environ, "CLOZAX_COMPILATION_CACHE": "off"}
     try:
         ran = subprocess.run(
-            [sys.executable, "-m", "clozax.cli", "train", "--data", str(data), "--out",
+            [sys.executable, "-m", "clozax.app.cli", "train", "--data", str(data), "--out",
              str(disk / "run"), "--preset", "small", "--steps", "20",
              "--set", "train.save_every=5"], capture_output=True, text=True, env=env,
             timeout=600, preexec_fn=how.get("preexec_fn"))

@@ -24,7 +24,7 @@ SECTIONS = ["Headline", "Training", "What the model predicts",
 
 def _finetune_result() -> dict:
     """A result.json of the shape finetune_run writes (its summaries from the real code)."""
-    from clozax.judge.finetune import summarise
+    from clozax.judge.finetune.protocol import summarise
 
     def jobs(base):
         return [{"learning_rate": lr, "seed": s, "seconds": 1.5, "per_epoch": [
@@ -109,7 +109,7 @@ def full_report(tiny_run, tmp_path_factory):
 
 
 def _retrieval_result() -> dict:
-    """The shape ``clozax retrieval`` writes (judge/retrieval_compare.py ``compare``)."""
+    """The shape ``clozax retrieval`` writes (judge/retrieval/compare.py ``compare``)."""
     def scores(ndcg):
         return {"ndcg@10": ndcg, "mrr@10": ndcg / 2, "recall@100": 0.5}
 
@@ -302,7 +302,7 @@ def test_cards_name_their_step_mixed_steps_are_flagged_and_checkpoints_make_a_cu
 
 
 def test_report_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path, capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["report", str(tmp_path)])

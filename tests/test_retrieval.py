@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clozax.judge import retrieval
-from clozax.judge.beir import read_beir
+from clozax.judge.retrieval import metrics, search
+from clozax.judge.retrieval.beir import read_beir
+from clozax.judge.retrieval.bm25 import bm25_run
 
 pytestmark = pytest.mark.fast
 
@@ -36,7 +37,7 @@ def _reference(qrels, run, measures):
 
 
 def test_ndcg_recall_and_mrr_equal_trec_evals_on_a_hand_made_set_with_ties():
-    ours = retrieval.per_query(QRELS, RUN, k_recall=100)
+    ours = metrics.per_query(QRELS, RUN, k_recall=100)
     full = _reference(QRELS, RUN, {"ndcg_cut.10", "recall.100"})
     assert set(ours) == {"q1", "q2", "q3"}  # q4 has no relevant document
     for q in ours:
@@ -45,7 +46,7 @@ def test_ndcg_recall_and_mrr_equal_trec_evals_on_a_hand_made_set_with_ties():
     cut = {q: dict(sorted(s.items(), key=lambda x: (x[1], x[0]), reverse=True)[:2])
            for q, s in RUN.items()}  # MRR@2: trec_eval's recip_rank on the run cut at 2
     reference = _reference(QRELS, cut, {"recip_rank"})
-    ours = retrieval.per_query(QRELS, RUN, k_mrr=2)
+    ours = metrics.per_query(QRELS, RUN, k_mrr=2)
     for q in ours:
         assert ours[q]["mrr@2"] == pytest.approx(reference[q]["recip_rank"], abs=1e-12)
 
@@ -56,7 +57,7 @@ def test_metrics_equal_trec_evals_on_random_graded_runs():
     qrels = {f"q{j}": {d: int(rng.integers(0, 3)) for d in rng.choice(docs, 8, replace=False)}
              for j in range(30)}
     run = {q: {d: float(np.round(rng.random(), 2)) for d in docs} for q in qrels}  # ties
-    ours = retrieval.per_query(qrels, run, k_ndcg=10, k_recall=20)
+    ours = metrics.per_query(qrels, run, k_ndcg=10, k_recall=20)
     full = _reference(qrels, run, {"ndcg_cut.10", "recall.20"})
     for q in ours:
         assert ours[q]["ndcg@10"] == pytest.approx(full[q]["ndcg_cut_10"], abs=1e-12)
@@ -71,10 +72,10 @@ def test_blocked_top_k_equals_the_full_sort_for_any_block_size():
     scores = queries.astype(np.float32) @ documents.astype(np.float32).T
     expected = np.lexsort((np.broadcast_to(np.arange(103), scores.shape), -scores), axis=1)
     for block in (1, 7, 64, 103, 500):
-        s, i = retrieval.top_k(queries, retrieval.blocks(documents, block), k=12)
+        s, i = search.top_k(queries, search.blocks(documents, block), k=12)
         assert np.array_equal(i, expected[:, :12])
         assert np.allclose(s, np.take_along_axis(scores, expected[:, :12], 1))
-    s, i = retrieval.top_k(queries, retrieval.blocks(documents[:5], 2), k=12)
+    s, i = search.top_k(queries, search.blocks(documents[:5], 2), k=12)
     assert i.shape == (7, 5)
 
 
@@ -140,6 +141,6 @@ def test_bm25_ranks_first_the_document_that_shares_the_querys_words():
     pytest.importorskip("bm25s", reason="pip install 'clozax[retrieval]'")
     documents = {"d1": "the cat sat on the mat", "d2": "a dog in the fog",
                  "d3": "cats and dogs and a zebra", "d4": "a zebra crossing the road"}
-    run = retrieval.bm25_run(documents, {"q1": "zebra road", "q2": "dog fog"}, k=10)
-    assert retrieval.ranked(run["q1"])[0] == "d4" and retrieval.ranked(run["q2"])[0] == "d2"
+    run = bm25_run(documents, {"q1": "zebra road", "q2": "dog fog"}, k=10)
+    assert metrics.ranked(run["q1"])[0] == "d4" and metrics.ranked(run["q2"])[0] == "d2"
     assert len(run["q1"]) == 4  # k past the collection: every document, once

@@ -166,7 +166,7 @@ def test_only_the_reporting_process_needs_or_starts_wandb(monkeypatch, tmp_path)
 
 def test_wandb_project_without_wandb_installed_fails_in_one_line(stdlib_data, tmp_path,
                                                                   monkeypatch, capsys):
-    from clozax.cli import main
+    from clozax.app.cli import main
     from clozax.train import loop as train_lib
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # ``import wandb`` raises ImportError

@@ -14,7 +14,7 @@ from clozax.interop.families import for_model
 from clozax.interop.family import at_trained_length
 from clozax.interop.hf_files import check_fresh_output, special_tokens, write_tokenizer
 from clozax.interop.sentence import write_sentence_files
-from clozax.train import finetuned
+from clozax.judge.finetune import saved as finetuned
 from clozax.train.run_dir import load_run
 
 

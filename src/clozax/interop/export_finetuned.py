@@ -2,7 +2,7 @@
 ``*ForSequenceClassification`` / ``*ForTokenClassification`` class of the encoder's family,
 with ``id2label``, loadable by ``AutoModelFor...`` and ``pipeline(...)`` offline.
 
-Head tensors (clozax ``head`` -> HF), by the head style ``clozax.judge.finetune_heads`` chose:
+Head tensors (clozax ``head`` -> HF), by the head style ``clozax.judge.finetune.heads`` chose:
 BERT: ``pool`` -> ``bert.pooler.dense``, ``out`` -> ``classifier``; RoBERTa-PreLayerNorm:
 ``pool`` -> ``classifier.dense``, ``out`` -> ``classifier.out_proj`` (tokens: ``classifier``);
 ModernBERT: ``dense``/``norm`` -> ``head.dense``/``head.norm``, ``out`` -> ``classifier``.
@@ -20,7 +20,7 @@ from clozax.core.files import staged_dir
 from clozax.interop.families import for_model
 from clozax.interop.family import at_trained_length
 from clozax.interop.hf_files import check_fresh_output, special_tokens, write_tokenizer
-from clozax.train import finetuned
+from clozax.judge.finetune import saved as finetuned
 
 STYLE_OF_FAMILY = {"bert": "bert", "roberta-prelayernorm": "roberta", "modernbert": "modern"}
 CLASS_PREFIX = {"bert": "Bert", "roberta-prelayernorm": "RobertaPreLayerNorm",

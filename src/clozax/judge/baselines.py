@@ -14,8 +14,7 @@ from collections import Counter
 
 import numpy as np
 
-from clozax.judge import finetune_heads as heads
-from clozax.judge import finetune_tasks as tasks
+from clozax.judge.finetune import heads, tasks
 
 C_GRID = (0.01, 0.1, 1.0, 10.0, 100.0)
 

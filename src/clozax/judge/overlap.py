@@ -18,7 +18,7 @@ from pathlib import Path
 
 from clozax.data.corpus import normalise, text_digest
 from clozax.data.dataset import open_dataset
-from clozax.judge.finetune_tasks import Raw
+from clozax.judge.finetune.tasks import Raw
 from clozax.train.run_dir import read_config
 
 

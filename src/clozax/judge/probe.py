@@ -32,10 +32,10 @@ import numpy as np
 from clozax.core import model as model_lib
 from clozax.core.train_state import init_params
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge import finetune_tasks as tasks
 from clozax.judge import history
 from clozax.judge.baselines import C_GRID, linear_classifier, tfidf_baseline
 from clozax.judge.claims import accounting_lines
+from clozax.judge.finetune import tasks
 from clozax.judge.task_load import MAX_PER_CLASS, MIN_EXAMPLES, TaskSpec, load_task
 from clozax.train.run_dir import load_run
 

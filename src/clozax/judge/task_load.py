@@ -1,6 +1,6 @@
 """The one task stack of ``probe`` and ``finetune``: where a task's examples come from, how the
 splits are made, which validation and test examples are dropped because the encoder read them
-in pretraining (``judge/overlap.py``), then encoding (``judge/finetune_tasks.py``).
+in pretraining (``judge/overlap.py``), then encoding (``judge/finetune/tasks.py``).
 
 Sources: task files (``--task``, ``--validation``, ``--test``; a missing split is carved out of
 the training file by a keyed hash of each example's group), a GLUE directory (test = GLUE's
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from clozax.judge import finetune_glue as glue
-from clozax.judge import finetune_tasks as tasks
 from clozax.judge import overlap
+from clozax.judge.finetune import glue, tasks
 from clozax.train.run_dir import open_run_dataset
 
 MIN_EXAMPLES = 30

@@ -1,7 +1,7 @@
 """What ``clozax train``'s options resolve to, in stages: a decay branch (written now, or
 resumed) or the config from defaults ← preset ← file ← overrides (the run's own model section
 on a re-run), then a recipe; the combinations that cannot work refused in one line, before
-anything is written or compiled. The command line only parses (``clozax.cli_train``)."""
+anything is written or compiled. The command line only parses (``clozax.app.train``)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ axis spans all of them.
 If a process dies, the coordination service stops hearing its heartbeat and ends the others
 after ``HEARTBEAT_SECONDS`` (``CLOZAX_HEARTBEAT_SECONDS``) instead of letting them wait in a
 collective for hours; the last complete checkpoint stays loadable and the same launch resumes.
-A process that fails (any exception) prints its line and leaves at once (``clozax.cli``), so
+A process that fails (any exception) prints its line and leaves at once (``clozax.app.cli``), so
 its peers' heartbeat ends the job the same way. Why 20 s rather than JAX's 100: the heartbeat
 is sent by the runtime's own thread, so neither a compilation nor a save delays it (the test
 suite's 2-process jobs compile and save with a 5 s heartbeat), while a job on a crashed host is

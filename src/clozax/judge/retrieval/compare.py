@@ -1,6 +1,6 @@
 """``clozax retrieval RUN``: retrieval scored side by side, on the same queries.
 
-Rows: BM25 (``judge/retrieval.py`` ``bm25_run``); the encoder as pretrained ("raw": mean
+Rows: BM25 (``judge/retrieval/bm25.py``); the encoder as pretrained ("raw": mean
 pooling, no stage); the random-init encoder through the contrastive stage; the trained encoder
 through the same stage — the last two once per seed (the stage's seed: its pairs' order, its
 dropout and, for the control, the initialisation), compared as a mean difference with its 95 %
@@ -9,7 +9,7 @@ embed``'s ``--out``), its source is the trained encoder, its settings the stage'
 itself is scored as one more row.
 
 The set: the user's in BEIR's layout (``--beir DIR``), or the held-out construction of
-``judge/retrieval_set.py``. Dense search is exact, in blocks (``top_k``), cosine similarity.
+``judge/retrieval/heldout_set.py``. Dense search is exact, in blocks (``top_k``), cosine similarity.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ import numpy as np
 from clozax.core import files
 from clozax.data.pairs import tokenize
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge import retrieval as metrics_lib
-from clozax.judge.beir import RetrievalSet, read_beir
 from clozax.judge.claims import seed_difference
-from clozax.judge.retrieval_set import heldout_set
-from clozax.train.contrastive import make_embedder
-from clozax.train.embed import StageSettings, train_in_memory
+from clozax.judge.retrieval import metrics as metrics_lib
+from clozax.judge.retrieval.beir import RetrievalSet, read_beir
+from clozax.judge.retrieval.bm25 import bm25_run
+from clozax.judge.retrieval.heldout_set import heldout_set
+from clozax.judge.retrieval.search import as_run, blocks, top_k
+from clozax.train.contrastive.stage import StageSettings, train_in_memory
+from clozax.train.contrastive.step import make_embedder
 from clozax.train.run_dir import LoadedRun, load_run
 
 ENCODE_BATCH = 64
@@ -73,8 +75,8 @@ def dense_scores(params, model_config, run: LoadedRun, found: RetrievalSet, seq_
                   max(seq_len, min(run.trained_length, DOCUMENT_LENGTH)), pooling)
     queries = encode(params, model_config, run, [found.queries[q] for q in query_ids],
                      seq_len, pooling)
-    scores, index = metrics_lib.top_k(queries, metrics_lib.blocks(docs, BLOCK), DEPTH)
-    ranking = metrics_lib.as_run(query_ids, doc_ids, scores, index)
+    scores, index = top_k(queries, blocks(docs, BLOCK), DEPTH)
+    ranking = as_run(query_ids, doc_ids, scores, index)
     return metrics_lib.mean(metrics_lib.per_query(found.qrels, ranking))
 
 
@@ -105,7 +107,7 @@ def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | Non
     say(f"retrieval set: {described['queries']:,} queries, {described['documents']:,} "
         f"documents ({described['construction']})")
     rows = {"bm25": metrics_lib.mean(metrics_lib.per_query(
-        found.qrels, metrics_lib.bm25_run(found.documents, found.queries, DEPTH)))}
+        found.qrels, bm25_run(found.documents, found.queries, DEPTH)))}
     say(_line("BM25", rows["bm25"]))
     rows["raw"] = dense_scores(source.params, source.config.model, source, found,
                                settings.seq_len, settings.pooling)

@@ -15,8 +15,7 @@ import numpy as np
 import optax
 
 from clozax.core import model as model_lib
-from clozax.judge import finetune_heads as heads
-from clozax.judge import finetune_tasks as tasks
+from clozax.judge.finetune import heads, tasks
 
 WIDTH_MULTIPLE = 32
 BUCKET_POOL = 50  # batches whose examples are sorted by length together (training order)

@@ -1,13 +1,14 @@
 """Choosing a fine-tuning setting from its jobs' records: per (learning rate, layer decay),
 each seed's best-validation epoch and the validation and test spreads over seeds; the setting
 with the best mean validation score; its best-validation seed, the model kept. Used by
-``judge/finetune.py`` for every encoder of a task alike (the trained one and its control)."""
+``judge/finetune/protocol.py`` for every encoder of a task alike (the trained one and its
+control)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from clozax.judge import finetune_jobs as jobs_lib
+from clozax.judge.finetune import jobs as jobs_lib
 
 
 def _spread(values: list[float], higher_is_better: bool = True) -> dict:

@@ -1,4 +1,4 @@
-"""The commands that read a run (registered by ``clozax.cli``): ``status``, ``evaluate``,
+"""The commands that read a run (registered by ``clozax.app.cli``): ``status``, ``evaluate``,
 ``probe``, ``fill``. They parse and call ``clozax.report.status`` and ``clozax.judge``; each
 takes ``--step`` (default: the newest committed checkpoint), ``status`` excepted."""
 

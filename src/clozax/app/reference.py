@@ -37,7 +37,7 @@ def cli_commands() -> dict:
     brings its own copy of click, so these are read by their attributes)."""
     import typer.main
 
-    from clozax.cli import app
+    from clozax.app.cli import app
 
     group = typer.main.get_command(app)
     return {name: group.commands[name] for name in sorted(group.commands)}

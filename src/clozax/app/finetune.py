@@ -1,6 +1,6 @@
-"""``clozax finetune``'s command line (registered by ``clozax.cli``): parses, calls
-``clozax.judge.finetune``. Kept apart because its task and protocol options alone would take
-``cli.py`` far past 400 lines."""
+"""``clozax finetune``'s command line (registered by ``clozax.app.cli``): parses, calls
+``clozax.judge.finetune.protocol``. Kept apart because its task and protocol options alone
+would take ``app/cli.py`` far past 400 lines."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def finetune(
     """Fine-tune an encoder on a labelled task: a learning-rate grid x seeds, picked on
     validation, test mean ± std and worst seed, against the random-init encoder and TF-IDF."""
     compile_cache.enable()
-    from clozax.judge import finetune as ft
-    from clozax.judge.finetune_tasks import Fields
+    from clozax.judge.finetune import protocol as ft
+    from clozax.judge.finetune.tasks import Fields
 
     fields = Fields(text=text_field, pair=pair_field, label=label_field, group=group_field,
                     tokens=tokens_field, tags=tags_field)
@@ -93,7 +93,7 @@ def finetune(
                        split_seed=split_seed, keep_pretraining_overlap=keep_pretraining_overlap,
                        max_len=max_len)
     if predict is not None:
-        from clozax.judge.finetune_predict import predict_file
+        from clozax.judge.finetune.predict import predict_file
 
         model_dir = run if (run / "finetuned.json").is_file() else \
             ft.task_dir(run, spec.task_name(), step) / "model"

@@ -4,9 +4,9 @@ Errors: bad arguments and any ``ValueError`` from the library print one line
 (``error: ...``) and exit 2; ``--debug`` (anywhere on the line) shows the traceback instead; a
 training stopped by a signal exits ``128 + signal`` after its checkpoint.
 
-``train`` and ``finetune`` have their options in ``cli_train.py`` and ``cli_finetune.py``;
+``train`` and ``finetune`` have their options in ``app/train.py`` and ``app/finetune.py``;
 the commands that read a run (``status``, ``evaluate``, ``probe``, ``fill``) are in
-``cli_judge.py``.
+``app/judge.py``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
-from clozax import cli_judge
-from clozax.cli_embed import embed, retrieval
-from clozax.cli_finetune import finetune
-from clozax.cli_judge import evaluate, fill, probe, status
-from clozax.cli_train import train
+from clozax.app import judge as cli_judge
+from clozax.app.embed import embed, retrieval
+from clozax.app.finetune import finetune
+from clozax.app.judge import evaluate, fill, probe, status
+from clozax.app.train import train
 from clozax.train import compile_cache, distributed, hostmem
 from clozax.train.interrupts import EXIT_CODES, Interrupted
 
@@ -53,7 +53,7 @@ def lesson(
     ] = None,
 ):
     """Reproduce the lesson's one-head fixture and run every check it makes."""
-    from clozax import lesson as lesson_mod
+    from clozax.app import lesson as lesson_mod
 
     lesson_mod.run(out=out)
 
@@ -283,7 +283,7 @@ def demo(
     if not quick:  # the kept arena (train/hostmem.py), before JAX starts: the whole demo 937 ->
         hostmem.keep_freed_memory()  # 884 s of stages, peak RSS 2.40 -> 2.80 GB (2026-12-04);
     compile_cache.enable()  # --quick is all compiling, which the one arena slows
-    from clozax import demo as demo_lib
+    from clozax.app import demo as demo_lib
 
     summary = demo_lib.run_demo(out, steps=steps, preset=preset, quick=quick)
     if not summary["audit"]["passed"]:

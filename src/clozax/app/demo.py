@@ -24,14 +24,14 @@ from rich.console import Console
 from clozax.data import prepare
 from clozax.judge import audit as audit_lib
 from clozax.judge import evaluate as evaluate_lib
-from clozax.judge import finetune as finetune_lib
 from clozax.judge import probe as probe_lib
-from clozax.judge import retrieval_compare as retrieval_lib
 from clozax.judge.claims import claims, difference_words, downstream_claims
+from clozax.judge.finetune import protocol as finetune_lib
+from clozax.judge.retrieval import compare as retrieval_lib
 from clozax.report import page as report_lib
 from clozax.train import config as config_lib
 from clozax.train import loop as train_lib
-from clozax.train.embed import StageSettings
+from clozax.train.contrastive.stage import StageSettings
 from clozax.train.interrupts import Interrupts
 from clozax.train.recipes import apply_recipe
 

@@ -13,10 +13,9 @@ import numpy as np
 
 from clozax.core import model as model_lib
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge import finetune_heads as heads
-from clozax.judge import finetune_jobs as jobs_lib
-from clozax.judge import finetune_tasks as tasks
-from clozax.train import finetuned
+from clozax.judge.finetune import heads, tasks
+from clozax.judge.finetune import jobs as jobs_lib
+from clozax.judge.finetune import saved as finetuned
 
 BATCH = 32
 

@@ -18,7 +18,7 @@ import json
 from clozax.data.pairs import MIN_WORDS, document_texts, first_sentence
 from clozax.data.split import group_key
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge.beir import RetrievalSet
+from clozax.judge.retrieval.beir import RetrievalSet
 from clozax.train.run_dir import LoadedRun, open_run_dataset
 
 CONSTRUCTION = "first-sentence→rest"

@@ -21,7 +21,7 @@ pooling, dtype: ``settings.json``), one ``*.json`` per finished job — a rerun 
 decays or seeds runs only the new jobs, a rerun with another ``--metric`` none; then
 ``model/`` (the selected job's fine-tuned model: what ``export`` and ``--predict`` read) and
 ``result.json``, which names it (the setting chosen on validation:
-``judge/finetune_select.py``). While the jobs run, each setting's best trained seed so far is
+``judge/finetune/select.py``). While the jobs run, each setting's best trained seed so far is
 kept at its best epoch in ``jobs/KEY/model-lrRATE[-ldDECAY]/`` (written before the job's record
 commits); the selected one is moved into ``model/`` and the others deleted. A selection no
 candidate holds (jobs recorded by an earlier command, or another ``--metric``) re-runs that
@@ -43,14 +43,14 @@ import numpy as np
 from clozax.core import files, locks
 from clozax.core.train_state import init_params
 from clozax.data.tokenizer import load_tokenizer
-from clozax.judge import finetune_jobs as jobs_lib
-from clozax.judge import finetune_tasks as tasks
 from clozax.judge.baselines import constant_baseline, tfidf_baseline
 from clozax.judge.claims import accounting_lines, difference_words, seed_difference
-from clozax.judge.finetune_jobs import ADAM, Protocol
-from clozax.judge.finetune_select import decay_of, seed_rank, summarise
+from clozax.judge.finetune import jobs as jobs_lib
+from clozax.judge.finetune import saved as finetuned
+from clozax.judge.finetune import tasks
+from clozax.judge.finetune.jobs import ADAM, Protocol
+from clozax.judge.finetune.select import decay_of, seed_rank, summarise
 from clozax.judge.task_load import TaskSpec, cap_train, load_task
-from clozax.train import finetuned
 from clozax.train.interrupts import Interrupts
 from clozax.train.run_dir import load_run
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from clozax.core import files
-from clozax.judge.finetune_heads import METRICS, default_metric
+from clozax.judge.finetune.heads import METRICS, default_metric
 
 KINDS = ("classification", "pair", "regression", "tokens")
 IGNORE = -1  # a position no loss or metric reads

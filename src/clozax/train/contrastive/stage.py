@@ -44,7 +44,7 @@ from clozax.train import config as config_lib
 from clozax.train import distributed
 from clozax.train.budget import Budget
 from clozax.train.checks import check_choice, check_int, check_real
-from clozax.train.contrastive import make_embed_step
+from clozax.train.contrastive.step import make_embed_step
 from clozax.train.interrupts import Interrupted, Interrupts
 from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
 from clozax.train.mesh import from_host, make_mesh, place

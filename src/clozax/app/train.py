@@ -1,7 +1,7 @@
-"""``clozax train``'s command line (registered by ``clozax.cli``): parses, then calls
+"""``clozax train``'s command line (registered by ``clozax.app.cli``): parses, then calls
 ``clozax.train.loop.train`` (or first ``clozax.train.branch.decay_branch`` for a decay branch).
 Kept apart because its options (budget, resume, extension, decay branches, several processes)
-alone took ``cli.py`` past 400 lines."""
+alone took ``app/cli.py`` past 400 lines."""
 
 from __future__ import annotations
 

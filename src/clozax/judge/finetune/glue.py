@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from clozax.judge.finetune_tasks import Raw
+from clozax.judge.finetune.tasks import Raw
 
 # GLUE's own files: name -> (kind, text column, pair column, label column, dev file, header,
 # selection metric). CoLA's train/dev files have no header: columns are source, label, original

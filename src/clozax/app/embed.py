@@ -1,6 +1,6 @@
-"""``clozax embed`` and ``clozax retrieval``'s command lines (registered by ``clozax.cli``):
-they parse and call ``clozax.train.embed`` and ``clozax.judge.retrieval_compare``. The stage's
-options are declared once, below, and shared by both commands."""
+"""``clozax embed`` and ``clozax retrieval``'s command lines (registered by ``clozax.app.cli``):
+they parse and call ``clozax.train.contrastive.stage`` and ``clozax.judge.retrieval.compare``.
+The stage's options are declared once, below, and shared by both commands."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def embed(
 
     distributed.initialize()  # a multi-process job when the environment names one
     compile_cache.enable()
-    from clozax.train.embed import StageSettings
-    from clozax.train.embed import embed as run_stage
+    from clozax.train.contrastive.stage import StageSettings
+    from clozax.train.contrastive.stage import embed as run_stage
 
     settings = StageSettings(pairs=pairs, steps=steps, minutes=minutes, batch_size=batch_size,
                              chunks=chunks, temperature=temperature,
@@ -89,8 +89,8 @@ def retrieval(
 
     compile_cache.enable()
     from clozax.judge.claims import difference_words
-    from clozax.judge.retrieval_compare import retrieval_run
-    from clozax.train.embed import StageSettings
+    from clozax.judge.retrieval.compare import retrieval_run
+    from clozax.train.contrastive.stage import StageSettings
 
     if seeds < 1:
         raise ValueError(f"--seeds {seeds}: give at least 1 (2 or more for an interval)")
