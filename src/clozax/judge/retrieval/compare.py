@@ -1,8 +1,8 @@
 """``clozax retrieval RUN``: retrieval scored side by side, on the same queries.
 
-Rows: BM25 (``judge/retrieval/bm25.py``); the encoder as pretrained ("raw": mean
-pooling, no stage); the random-init encoder through the contrastive stage; the trained encoder
-through the same stage — the last two once per seed (the stage's seed: its pairs' order, its
+Rows: BM25 (``judge/retrieval/bm25.py``); the encoder as pretrained ("raw": the
+stage's pooling, no stage); the random-init encoder through the contrastive stage; the trained
+encoder through the same stage — the last two once per seed (the stage's seed: its pairs' order, its
 dropout and, for the control, the initialisation), compared as a mean difference with its 95 %
 interval over seeds (``judge/claims.py`` ``seed_difference``). Given a stage's own run (``clozax
 embed``'s ``--out``), its source is the trained encoder, its settings the stage's, and the run
@@ -10,6 +10,10 @@ itself is scored as one more row.
 
 The set: the user's in BEIR's layout (``--beir DIR``), or the held-out construction of
 ``judge/retrieval/heldout_set.py``. Dense search is exact, in blocks (``top_k``), cosine similarity.
+Every row is scored as BEIR scores it (``EvaluateRetrieval.evaluate`` with its defaults): a
+document whose id is the query's is always dropped from the query's ranking, ``DEPTH`` others
+kept (``search.py`` ``as_run``, ``bm25.py``); BM25 ranks only the documents that match; the
+metrics are ``trec_eval``'s, averaged over every judged query (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -75,8 +79,8 @@ def dense_scores(params, model_config, run: LoadedRun, found: RetrievalSet, seq_
                   max(seq_len, min(run.trained_length, DOCUMENT_LENGTH)), pooling)
     queries = encode(params, model_config, run, [found.queries[q] for q in query_ids],
                      seq_len, pooling)
-    scores, index = top_k(queries, blocks(docs, BLOCK), DEPTH)
-    ranking = as_run(query_ids, doc_ids, scores, index)
+    scores, index = top_k(queries, blocks(docs, BLOCK), DEPTH + 1)  # [Q, DEPTH + 1]
+    ranking = as_run(query_ids, doc_ids, scores, index, k=DEPTH)  # the self-hit dropped
     return metrics_lib.mean(metrics_lib.per_query(found.qrels, ranking))
 
 
@@ -111,7 +115,7 @@ def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | Non
     say(_line("BM25", rows["bm25"]))
     rows["raw"] = dense_scores(source.params, source.config.model, source, found,
                                settings.seq_len, settings.pooling)
-    say(_line("raw encoder (mean pooling, no stage)", rows["raw"]))
+    say(_line(f"raw encoder ({settings.pooling} pooling, no stage)", rows["raw"]))
     if stage_info:
         rows["this_stage"] = dense_scores(given.params, given.config.model, given, found,
                                           settings.seq_len, settings.pooling)

@@ -1,7 +1,11 @@
 """Exact dense search in bounded memory: cosine or dot-product scores of every query against
 every document, a block of documents at a time, keeping a running top-k per query, so a
 collection of N documents never needs the N × queries score matrix (peak: queries × (block +
-k) scores). The metrics of a ranking are ``judge/retrieval/metrics.py``'s."""
+k) scores). The metrics of a ranking are ``judge/retrieval/metrics.py``'s.
+
+A document whose id is the query's is not in the query's ranking (BEIR's default,
+``ignore_identical_ids``, and its ``DenseRetrievalExactSearch``): search for ``k + 1`` and let
+``as_run`` drop the self-hit and cut at ``k``, so ``k`` documents remain."""
 
 from __future__ import annotations
 
@@ -40,7 +44,14 @@ def blocks(array: np.ndarray, size: int) -> Iterator[np.ndarray]:
 
 
 def as_run(query_ids: list[str], doc_ids: list[str], scores: np.ndarray,
-           indices: np.ndarray) -> dict[str, dict[str, float]]:
-    """``top_k``'s result as a trec-style run."""
-    return {q: {doc_ids[int(i)]: float(s) for s, i in zip(row_s, row_i, strict=True)}
-            for q, row_s, row_i in zip(query_ids, scores, indices, strict=True)}
+           indices: np.ndarray, k: int | None = None, keep_identical_ids: bool = False,
+           ) -> dict[str, dict[str, float]]:
+    """``top_k``'s result [Q, k'] as a trec-style run: each query's documents best first,
+    without the one whose id is the query's (unless ``keep_identical_ids``), cut at ``k``
+    (default: all)."""
+    run = {}
+    for q, row_s, row_i in zip(query_ids, scores, indices, strict=True):
+        hits = ((doc_ids[int(i)], float(s)) for s, i in zip(row_s, row_i, strict=True))
+        kept = [(d, s) for d, s in hits if keep_identical_ids or d != q]
+        run[q] = dict(kept[:k])
+    return run
