@@ -109,11 +109,13 @@ def _is_current(path: Path, step: int) -> bool:
 def _reuse_or_run(path: Path, step: int, say, compute, also: Path | None = None,
                   judged: bool = False) -> dict:
     """The stage's JSON if it already describes checkpoint ``step`` (and ``also`` exists; and,
-    ``judged``, its task was checked for pretraining overlap — older results were not);
+    ``judged``, its task was checked for pretraining overlap under today's rule, copies and
+    containment — older results were not);
     otherwise run ``compute`` (which writes it) and return its result."""
     if _is_current(path, step) and (also is None or also.is_file()):
         result = json.loads(path.read_text(encoding="utf-8"))
-        if not judged or "pretraining_overlap" in result.get("task", {}):
+        overlap = result.get("task", {}).get("pretraining_overlap", {})
+        if not judged or "rule" in overlap:  # judged under today's containment rule
             say(f"[dim]{path.name} is up to date[/]")
             return result
     return compute()

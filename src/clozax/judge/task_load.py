@@ -10,8 +10,9 @@ dev files, validation carved out of train), or the run's own dataset labels:
   top-level stdlib package, grouped by module): the training examples are documents of the
   dataset's *train* split, validation and test are documents of its *held-out* split (split
   between them by a keyed hash, stratified by label: ``HELDOUT_VALIDATION`` of each label's
-  documents validate), so no evaluated text
-  was pretrained on, by construction. Each document is its first chunk, exactly the piece
+  documents validate), so no evaluated document
+  was pretrained on, by construction (one that nearly repeats a train document is counted and
+  dropped by ``judge/overlap.py``'s rule). Each document is its first chunk, exactly the piece
   trained on. Classes: labels with at least ``MIN_EXAMPLES`` training documents that the
   held-out split also has (a class no evaluated example has is not part of the task); at most
   ``MAX_PER_CLASS`` training documents per class (a keyed-hash choice). Every drop and cap is
