@@ -5,6 +5,7 @@ held-out split only, and bad pair files refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -310,7 +311,7 @@ def test_a_minutes_stage_sets_its_length_re_estimates_it_and_a_rerun_keeps_it(ti
     # At least the timed steps (on a loaded machine loading and compiling can take the budget)
     assert config.train.minutes is None and config.train.steps == first["steps"] >= 4
     revisions = config.train.budget_revisions
-    assert revisions[0][0] == 4 and revisions[-1][1] == first["steps"]
+    assert revisions[0][0] == 0 and revisions[-1][1] == first["steps"]  # set before step 1
     assert [at for at, _ in revisions] == sorted({at for at, _ in revisions})
     assert took < 0.5 * 60 + 15  # the budget, and the final save
     last = json.loads((tmp_path / "emb" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -323,10 +324,10 @@ class _Killed(Exception):
     """The process dies here (no save, no clean exit)."""
 
 
-def _scripted_budget(kill_at: int | None):
+def _scripted_budget(kill_at: int | None, revised: bool = True):
     """A budget whose choices are fixed (the real one's depend on the clock): the length set
-    to 150 at the timed step, re-estimated to 140 at step 110, the process killed at
-    ``kill_at``."""
+    to 150 from the throwaway timed steps, re-estimated to 140 at step 110 (``revised``), the
+    process killed at ``kill_at``."""
     class Scripted:
         def __init__(self, minutes, started):
             self.budget_s = 60 * minutes
@@ -337,13 +338,13 @@ def _scripted_budget(kill_at: int | None):
         def spent_outside(self, seconds):
             pass
 
-        def estimate(self, step, eval_every, save_every):
-            return 150
+        def estimate(self, step, eval_every, save_every):  # an end step, `step` timed ones done
+            return step + 150
 
         def revise(self, step, steps, eval_every, save_every):
             if step == kill_at:
                 raise _Killed
-            return 140 if step == 110 else None
+            return 140 if step == 110 and revised else None
 
         def summary(self):
             return ""
@@ -368,9 +369,118 @@ def test_a_minutes_stage_killed_after_a_re_estimate_replays_it_on_resume_to_the_
     assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()
                   if p.name.isdigit()) == ["100"]  # saved before the revision at 110
     recorded = read_config(tmp_path / "killed")[0].train
-    assert recorded.budget_revisions == ((4, 150), (110, 140)) and recorded.steps == 140
+    assert recorded.budget_revisions == ((0, 150), (110, 140)) and recorded.steps == 140
     resumed = embed(tiny_run, tmp_path / "killed", settings, say=lambda _: None)
     assert resumed["trained"] == 40 and resumed["steps"] == 140
     a, b = load_run(tmp_path / "straight"), load_run(tmp_path / "killed")
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_cls_stage_exports_cls_pooled_verified_and_another_pooling_is_refused(
+        capsys, tiny_run, tmp_path):
+    """``export --sentence-transformers`` of a stage pools as the stage trained (its
+    ``run.json``), ``--verify`` compares with the stage's own pooling, and a ``--pooling`` that
+    contradicts the stage's is one line naming both, nothing written."""
+    pytest.importorskip("sentence_transformers")
+    stage = tmp_path / "emb"
+    embed(tiny_run, stage, StageSettings(**{**STAGE, "steps": 2}, pooling="cls"),
+          say=lambda _: None)
+    ran = clozax(capsys, "export", stage, tmp_path / "st", "--sentence-transformers", "--verify")
+    assert ran.code == 0, ran.err
+    pool = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
+    assert pool["pooling_mode_cls_token"] and not pool["pooling_mode_mean_tokens"]
+    verified = [x for x in ran.out.splitlines() if "SentenceTransformer.encode" in x]
+    assert len(verified) == 1 and float(verified[0].rsplit(" ", 1)[1]) < 1e-4
+    line = one_line_error(capsys, "export", stage, tmp_path / "st2", "--sentence-transformers",
+                          "--pooling", "mean")
+    assert "trained with cls pooling, not mean" in line and "--pooling cls" in line
+    assert not (tmp_path / "st2").exists()
+
+
+def test_a_stage_counts_overlap_against_every_dataset_its_source_pretrained_on(
+        tiny_run_copy, stdlib_data, tmp_path):
+    """A stage of a run in phases: ``judge/overlap.py`` finds, from the stage's ``run.json``,
+    the source's datasets, each phase's included (the source's ``phases`` are its steps', so
+    the stage names the source as ``init_from`` instead of copying them)."""
+    from clozax.judge import overlap
+
+    info_path = tiny_run_copy / "run.json"
+    info = json.loads(info_path.read_text())
+    second = tmp_path / "second-phase-data"
+    second.mkdir()
+    info["phases"] = [{"name": "first", "start": 0, "end": 2, "seq_len": 64,
+                       "batch_sizes": [[0, 8]], "data": str(stdlib_data)},
+                      {"name": "second", "start": 2, "end": 4, "seq_len": 64,
+                       "batch_sizes": [[2, 8]], "data": str(second)}]
+    info_path.write_text(json.dumps(info))
+    source = overlap.pretraining_datasets(info)
+    assert source == ([stdlib_data, second], None)
+    embed(tiny_run_copy, tmp_path / "emb", StageSettings(**{**STAGE, "steps": 1}),
+          say=lambda _: None)
+    stage = load_run(tmp_path / "emb")
+    assert "phases" not in stage.info and stage.trained_length == 64
+    assert overlap.pretraining_datasets(stage.info) == source
+
+
+def test_a_stage_resumed_with_other_chunks_trains_the_uninterrupted_stage(tiny_run, tmp_path):
+    """``--chunks`` is speed only, with dropout on (0.1, a key per row of the batch whatever
+    chunk holds it): four updates in one chunk, and two in one chunk + two resumed in four,
+    give the same parameters and loss to fp32 rounding (the summation order differs): the
+    parameters' change from the source within 1e-5 of its norm, step 4's loss within 1e-6 / τ
+    (a score is a cosine / τ: its rounding is ~6e-8 / τ)."""
+    settings = StageSettings(**STAGE, pairs="simcse")
+    embed(tiny_run, tmp_path / "one", settings, say=lambda _: None)
+    embed(tiny_run, tmp_path / "mixed", settings, say=lambda _: None, stop_after=2)
+    embed(tiny_run, tmp_path / "mixed", dataclasses.replace(settings, chunks=4),
+          say=lambda _: None)
+
+    def flat(run_dir):
+        return np.concatenate([np.asarray(x, np.float64).ravel()
+                               for x in jax.tree.leaves(load_run(run_dir).params)])
+
+    def final_loss(run_dir):  # step 4's, logged by both
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in lines if '"loss"' in x][-1]
+
+    source, one, mixed = flat(tiny_run), flat(tmp_path / "one"), flat(tmp_path / "mixed")
+    assert np.linalg.norm(mixed - one) <= 1e-5 * np.linalg.norm(one - source)
+    last = [final_loss(tmp_path / name) for name in ("mixed", "one")]
+    assert last[0]["step"] == last[1]["step"] == 4
+    assert abs(last[0]["loss"] - last[1]["loss"]) <= 1e-6 / settings.temperature
+
+
+def test_a_minutes_stage_warms_up_over_a_tenth_of_its_chosen_length_and_retrieval_replays_it(
+        tiny_run, tmp_path, monkeypatch):
+    """``--minutes`` with ``--steps 40000``: the length the budget chooses (scripted: 150)
+    makes the schedule — warm-up a tenth of it — from update 1, so with no re-estimate the
+    stage is the ``--steps 150`` stage bit for bit; with one (140 at step 110) ``clozax
+    retrieval``'s re-training of the stage run replays the recorded lengths and gives its
+    parameters bit for bit."""
+    from clozax.judge.retrieval import compare
+    from clozax.train.contrastive import stage as embed_lib
+
+    def params(where):
+        return [np.asarray(x) for x in jax.tree.leaves(
+            where if isinstance(where, dict) else load_run(where).params)]
+
+    settings = StageSettings(**{**STAGE, "steps": 40000}, minutes=5.0)
+    monkeypatch.setattr(embed_lib, "Budget", _scripted_budget(kill_at=None, revised=False))
+    assert embed(tiny_run, tmp_path / "minutes", settings, say=lambda _: None)["steps"] == 150
+    embed(tiny_run, tmp_path / "steps", StageSettings(**{**STAGE, "steps": 150}),
+          say=lambda _: None)
+    lr = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "minutes" / "metrics.jsonl")
+                                           .read_text().splitlines()) if "lr" in r}
+    assert lr[10] == pytest.approx(settings.learning_rate * 9 / 15, rel=1e-6)  # update 9 of 15
+    for x, y in zip(params(tmp_path / "minutes"), params(tmp_path / "steps"), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+    monkeypatch.setattr(embed_lib, "Budget", _scripted_budget(kill_at=None))
+    embed(tiny_run, tmp_path / "revised", settings, say=lambda _: None)
+    stage = load_run(tmp_path / "revised")
+    assert stage.info["stage"]["budget_revisions"] == [[0, 150], [110, 140]]
+    again = compare._recorded(stage.info["stage"], StageSettings(), stage.config.train.steps)
+    retrained, losses = train_in_memory(load_run(tiny_run), again)
+    assert len(losses) == 140
+    for x, y in zip(params(retrained), params(stage.params), strict=True):
+        np.testing.assert_array_equal(x, y)

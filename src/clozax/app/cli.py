@@ -163,16 +163,21 @@ def export(
         "--sentence-transformers",
         help="Also write the files SentenceTransformer(OUT) loads (pooling, similarity).")
     ] = False,
-    pooling: Annotated[str, typer.Option(
-        help="With --sentence-transformers: 'mean' (the real tokens' mean) or 'cls'.")
-    ] = "mean",
+    pooling: Annotated[str | None, typer.Option(
+        help="With --sentence-transformers: 'mean' (the real tokens' mean) or 'cls'; default: "
+             "a contrastive stage's own pooling (another is refused), else mean.")
+    ] = None,
     normalize: Annotated[bool, typer.Option(
         help="With --sentence-transformers: unit-length embeddings (a Normalize module).")
     ] = False,
 ):
     """Write a run as a Hugging Face transformers model + tokenizer directory."""
     from clozax import interop
+    from clozax.interop.sentence import sentence_parity, sentence_pooling
+    from clozax.train.run_dir import read_config
 
+    if sentence_transformers:  # a stage's own pooling: the export and --verify both use it
+        pooling = sentence_pooling(read_config(run)[1], pooling, run)
     interop.export_run(run, out, step, pooling if sentence_transformers else None, normalize)
     print(f"exported {run} to {out}")
     if verify:
@@ -180,8 +185,6 @@ def export(
         diff = interop.hf_parity(run, out, texts)
         print(f"max |clozax - transformers| on {len(texts)} sentences: {diff:.2e}")
         if sentence_transformers:
-            from clozax.interop.sentence import sentence_parity
-
             diff = sentence_parity(run, out, texts, pooling, normalize)
             print(f"max |clozax - SentenceTransformer.encode| on {len(texts)} sentences: "
                   f"{diff:.2e}")

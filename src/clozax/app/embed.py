@@ -18,7 +18,7 @@ Steps = Annotated[int, Opt(help="Updates of the stage (the warm-up is a tenth of
 BatchSize = Annotated[int, Opt(help="Pairs per step: the contrastive batch, gathered over "
                                     "every device.")]
 Chunks = Annotated[int, Opt(help="Gradient-cache chunks: the encoder runs on batch/chunks "
-                                 "pairs at a time (memory), same numbers without dropout.")]
+                                 "pairs at a time (memory); the same numbers for any chunks.")]
 Temperature = Annotated[float, Opt(help="InfoNCE temperature (SimCSE's 0.05).")]
 LearningRate = Annotated[float, Opt(help="AdamW's peak learning rate.")]
 Symmetric = Annotated[bool, Opt(help="Also score each positive choosing its query.")]
@@ -36,8 +36,9 @@ def embed(
     pairs: Pairs = "first-sentence",
     steps: Steps = 200,
     minutes: Annotated[float | None, Opt(help="Instead of --steps: as many updates as fit "
-                                              "in this many minutes (set after a few timed "
-                                              "steps, re-estimated as it runs).")] = None,
+                                              "in this many minutes (set before the first "
+                                              "from a few timed steps, the warm-up a tenth "
+                                              "of it; re-estimated as it runs).")] = None,
     batch_size: BatchSize = 64, chunks: Chunks = 1, temperature: Temperature = 0.05,
     learning_rate: LearningRate = 1e-4, symmetric: Symmetric = False,
     pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,

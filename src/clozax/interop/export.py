@@ -13,7 +13,7 @@ from clozax.core.files import staged_dir
 from clozax.interop.families import for_model
 from clozax.interop.family import at_trained_length
 from clozax.interop.hf_files import check_fresh_output, special_tokens, write_tokenizer
-from clozax.interop.sentence import write_sentence_files
+from clozax.interop.sentence import sentence_pooling, write_sentence_files
 from clozax.judge.finetune import saved as finetuned
 from clozax.train.run_dir import load_run
 
@@ -27,7 +27,8 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None,
     ``model_max_length`` (and, for learned positions, ``max_position_embeddings``) is the
     length the run trained on (``LoadedRun.trained_length``), not the table's size.
     With ``pooling`` (``mean`` or ``cls``), also the files ``SentenceTransformer(out_dir)``
-    reads (``interop/sentence.py``). Returns ``out_dir``.
+    reads (``interop/sentence.py``); a contrastive stage's run only with the pooling it
+    trained with (``sentence_pooling``). Returns ``out_dir``.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if finetuned.is_finetuned(run_dir):
@@ -35,6 +36,8 @@ def export_run(run_dir: Path, out_dir: Path, step: int | None = None,
 
         return export_finetuned(run_dir, out_dir)
     run = load_run(run_dir, step)
+    if pooling is not None:
+        pooling = sentence_pooling(run.info, pooling, run_dir)
     if not run.tokenizer_path.is_file():
         raise ValueError(f"run {run_dir} has no tokenizer.json; it is damaged, re-train or "
                          "re-import it")

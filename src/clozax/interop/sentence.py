@@ -2,7 +2,11 @@
 adds to the ``transformers`` files the modules ``SentenceTransformer(DIR)`` reads — the
 transformer, its pooling (``1_Pooling/config.json`` with every mode spelled out as a boolean,
 the form old and new releases and serving stacks read), and a normalisation when embeddings are
-unit length — and ``config_sentence_transformers.json`` with the similarity function."""
+unit length — and ``config_sentence_transformers.json`` with the similarity function.
+
+A contrastive stage's run (``clozax embed``) is exported with the pooling it trained with
+(``run.json``'s ``stage``), never another: ``sentence_pooling`` chooses it and refuses a
+``--pooling`` that contradicts it."""
 
 from __future__ import annotations
 
@@ -18,6 +22,21 @@ from clozax.train.run_dir import load_run
 SENTENCE_TRANSFORMERS = "6.3.0"  # the release the files are written for and tested with
 _MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
           "weightedmean_tokens", "lasttoken")
+
+
+def sentence_pooling(info: dict, asked: str | None, run_dir: Path) -> str:
+    """The pooling an export of the run whose ``run.json`` is ``info`` writes: a contrastive
+    stage's own (``asked`` must be it or None), else ``asked`` (default ``mean``)."""
+    if asked is not None and asked not in POOLINGS:
+        raise ValueError(f"unknown pooling {asked!r}; choose one of {', '.join(POOLINGS)}")
+    trained = (info.get("stage") or {}).get("pooling")
+    if trained is None:
+        return asked or "mean"
+    if asked is not None and asked != trained:
+        raise ValueError(f"run {run_dir} is a contrastive stage trained with {trained} pooling, "
+                         f"not {asked}; drop --pooling (its own is used) or pass --pooling "
+                         f"{trained}")
+    return trained
 
 
 def write_sentence_files(out: Path, hidden: int, max_length: int, pooling: str,

@@ -1,4 +1,5 @@
 """The contrastive stage, ``clozax embed``: an encoder trained on (query, positive) pairs into
 an embedder. The step (``step.py``: InfoNCE over in-batch negatives as a (sum, count), with
-gradient caching) and the stage as a clozax run (``stage.py``). It sits in the train layer
-beside the MLM loop and reuses its run directory, checkpoints and locks."""
+gradient caching), the stage as a clozax run (``stage.py``) and a ``--minutes`` stage's length
+(``lengths.py``). It sits in the train layer beside the MLM loop and reuses its run
+directory, checkpoints and locks."""

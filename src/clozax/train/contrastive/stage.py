@@ -9,8 +9,14 @@ the step it is at, and resumes bitwise: batch ``i`` is a pure function of ``(see
 keyed permutation of the pairs per epoch) and the dropout key is ``fold_in(key, step)``.
 
 The stage's config is a ``RunConfig``: the source's model with the stage's dropout, AdamW at
-the stage's rate (linear warm-up over the first tenth, linear decay to 0), and ``train.steps``
-/ ``batch_size`` / ``seed`` / ``microbatches`` (the gradient-cache chunks, speed only).
+the stage's rate (``stage_rate``: linear warm-up over the first tenth of the stage's length,
+linear decay to 0), and ``train.steps`` / ``batch_size`` / ``seed`` / ``microbatches`` (the
+gradient-cache chunks, speed only). A ``--minutes`` stage fixes its length before its first
+update, from steps timed on a throwaway copy of the state (``--steps`` plays no part), so its
+warm-up is a tenth of that length; each length its budget chooses is recorded (``(0, length)``
+first, then the re-estimates) in ``config.json`` and ``run.json``'s ``stage``, and a
+re-training (``train_in_memory``, ``clozax retrieval``) replays them (``lengths.py``). The
+step's mathematics is ``step.py``'s.
 """
 
 from __future__ import annotations
@@ -44,14 +50,13 @@ from clozax.train import config as config_lib
 from clozax.train import distributed
 from clozax.train.budget import Budget
 from clozax.train.checks import check_choice, check_int, check_real
-from clozax.train.contrastive.step import make_embed_step
+from clozax.train.contrastive.lengths import budget_length, first_length
+from clozax.train.contrastive.step import make_embed_step, stage_rate
 from clozax.train.interrupts import Interrupted, Interrupts
 from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
 from clozax.train.mesh import from_host, make_mesh, place
 from clozax.train.observe import TrainLog
 from clozax.train.run_dir import LoadedRun, load_run, lock_run, open_run_dataset, read_config
-
-TIMING_STEPS = 3  # a --minutes stage times this many steps after its first to fix its length
 
 
 @dataclass(frozen=True)
@@ -72,22 +77,29 @@ class StageSettings:
     seed: int = 0
     max_pairs: int | None = None  # a keyed sample of the corpus pairs
     random_init: bool = False  # start from the source's architecture at init (the control)
+    # A --minutes stage's lengths as its budget chose them, (after step, length), (0, L) first:
+    # a re-training replays them (steps is then the last length).
+    budget_revisions: tuple = ()
 
     def __post_init__(self):
+        revisions = tuple(tuple(r) for r in self.budget_revisions)  # JSON gives lists
+        object.__setattr__(self, "budget_revisions", revisions)
+        for at, length in revisions:
+            check_int("budget_revisions step", at, 0)
+            check_int("budget_revisions length", length, max(at, 1))
         check_int("steps", self.steps, 1)
         check_int("batch_size", self.batch_size, 2)
         check_int("chunks", self.chunks, 1)
         check_int("seq_len", self.seq_len, 4)
         check_int("seed", self.seed, 0, config_lib.SEED_LIMIT - 1)
         check_real("temperature", self.temperature, 0.0, math.inf, low_open=True,
-                              high_open=True)
-        check_real("learning_rate", self.learning_rate, 0.0, math.inf,
-                              low_open=True, high_open=True)
+                   high_open=True)
+        check_real("learning_rate", self.learning_rate, 0.0, math.inf, low_open=True,
+                   high_open=True)
         check_real("dropout", self.dropout, 0.0, 1.0, high_open=True)
         check_choice("pooling", self.pooling, POOLINGS)
         if self.minutes is not None:
-            check_real("minutes", self.minutes, 0.0, math.inf, low_open=True,
-                                  high_open=True)
+            check_real("minutes", self.minutes, 0.0, math.inf, low_open=True, high_open=True)
         if self.batch_size % self.chunks:
             raise ValueError(f"--chunks {self.chunks} does not divide --batch-size "
                              f"{self.batch_size}; choose a divisor")
@@ -95,7 +107,7 @@ class StageSettings:
     def identity(self) -> dict:
         """The settings that make the numbers (a resume must keep them)."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("chunks", "steps", "minutes")}
+                if k not in ("chunks", "steps", "minutes", "budget_revisions")}
 
 
 @dataclass
@@ -191,7 +203,8 @@ def _jitted_step(model_config, optim, steps: int, pooling: str, temperature: flo
     """One jitted step per stage shape: ``clozax retrieval``'s seeds (and the random-init
     control, the same program) trace and compile it once."""
     shapes = jax.eval_shape(lambda: model_lib.init(model_config, jax.random.key(0)))
-    optimizer, schedule = make_optimizer(optim, steps, shapes)
+    optimizer, schedule = make_optimizer(optim, steps, shapes,
+                                         schedule=stage_rate(optim.learning_rate))
     return optimizer, jax.jit(make_embed_step(model_config, optimizer, schedule, pooling,
                                               temperature, symmetric, chunks, pad),
                               donate_argnums=0)
@@ -213,13 +226,17 @@ def batch_at(stage: Stage, i: int) -> dict:
 def train_in_memory(run: LoadedRun, settings: StageSettings, mesh=None) -> tuple[dict, list]:
     """The stage on ``run``'s parameters (or, ``random_init``, its architecture at init), no
     checkpoint: ``(params, losses)``. What ``clozax retrieval`` runs per seed; the same steps
-    as ``embed``."""
-    stage = make_stage(run, settings, settings.steps, mesh)
+    as ``embed``, a ``--minutes`` stage's recorded lengths replayed (``budget_revisions``)."""
+    lengths = dict(settings.budget_revisions)
+    end = settings.budget_revisions[-1][1] if lengths else settings.steps
+    stage = make_stage(run, settings, lengths.get(0, end), mesh)
     state, _ = compile_step(stage, _start_params(run, settings))
     losses = []
-    for i in range(settings.steps):
+    for i in range(end):
         state, metrics = stage.step_fn(state, batch_at(stage, i), stage.key)
         losses.append(metrics)
+        if i + 1 in lengths:
+            state = with_total_steps(state, lengths[i + 1])
     losses = [float(m["loss"]) for m in jax.device_get(losses)]
     if not all(math.isfinite(x) for x in losses):
         raise ValueError("the contrastive stage diverged (a non-finite loss); lower "
@@ -284,8 +301,13 @@ def _write_new(out: Path, run: LoadedRun, stage: Stage, info: dict) -> None:
                          "new --out")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(run.tokenizer_path, out / TOKENIZER_FILE)
+    # The source's phases describe the source's steps, not the stage's, so they stay in the
+    # source's run.json; ``init_from`` names the source, as ``clozax train --init-from`` does,
+    # so what the encoder pretrained on (judge/overlap.py) is found through it: every phase's
+    # dataset and the source's own ``--init-from`` chain.
     files.write_json(out / RUN_FILE, {
         **{k: v for k, v in run.info.items() if k != "phases"},
+        "init_from": str(Path(run.path).absolute()),
         "trained_length": run.trained_length, "has_mlm_head": False, "stage": info},
         sort_keys=True)
     files.write_json(out / CONFIG_FILE, stage.config.to_dict(), sort_keys=True)
@@ -293,7 +315,8 @@ def _write_new(out: Path, run: LoadedRun, stage: Stage, info: dict) -> None:
 
 def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_after,
           started: float, say) -> dict:
-    """Restore (or start), then step, log and save until the stage's length."""
+    """Restore (or start), fix a ``--minutes`` stage's length, then step, log and save until
+    the stage's length."""
     config, s = stage.config, stage.settings
     state, _ = compile_step(stage, _start_params(run, s))
     checkpointer = ckpt.Checkpointer(out, keep=config.train.keep_checkpoints,
@@ -304,13 +327,21 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
     if restored is not None:
         state = restored[0]
         log.forget_after(start)
+    else:  # the length in effect at step 0 (a --minutes stage's first choice)
+        state = with_total_steps(state, config_lib.schedule_length(config.train, 0))
+    budget = None
+    if config.train.minutes is not None:  # a new --minutes stage (a resume keeps its lengths)
+        budget = Budget(config.train.minutes, started)
+        config, state = first_length(
+            out, lambda probe: stage.step_fn(probe, batch_at(stage, start), stage.key), config,
+            state, budget, start, log)
     end = config.train.steps if stop_after is None else min(config.train.steps, stop_after)
     say(f"clozax embed: {len(stage.rows['query']):,} pairs ({stage.source}), batch "
         f"{s.batch_size} x {s.seq_len} tokens per side, {s.chunks} chunk(s), "
         f"{jax.device_count()} device(s), attention "
         f"{pattern.attention_plan(config.model, s.seq_len).describe()}, "
         f"steps {start}->{config.train.steps}")
-    step, loss, budget = start, math.nan, None
+    step, loss = start, math.nan
     replay = dict(config.train.budget_revisions)  # a resume: the lengths its budget chose
     try:
         log.start(total=config.train.steps, completed=start)
@@ -320,18 +351,13 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
             if step == start + 1:
                 jax.block_until_ready(metrics)
                 interrupts.arm()
-                if config.train.minutes is not None:  # a new --minutes stage (a resume keeps
-                    budget = Budget(config.train.minutes, started)  # its recorded length)
-                    budget.mark(step)
             if step in replay:  # a recorded budget choice: the same step, the same length
                 state = with_total_steps(state, replay[step])
             stopping = interrupts.reached(step)
             if step % config.train.log_every == 0 or step == end or stopping:
                 loss = _record(log, jax.device_get(metrics), step, started)
-            timed = start + 1 + TIMING_STEPS
-            if budget is not None and (step == timed or (
-                    step > timed and step % config.train.log_every == 0)):
-                config, state, end = _budget_length(out, config, state, budget, step, end,
+            if budget is not None and step % config.train.log_every == 0:
+                config, state, end = budget_length(out, config, state, budget, step, end,
                                                     stop_after, log)
             if step % config.train.save_every == 0 or step == end or stopping:
                 saving = time.perf_counter()
@@ -352,35 +378,6 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
         say(budget.summary())
     return {"run": str(out), "steps": step, "trained": step - start, "loss": loss,
             "pairs": len(stage.rows["query"]), "source": stage.source}
-
-
-def _budget_length(out, config, state, budget: Budget, step: int, end: int, stop_after, log):
-    """A ``--minutes`` stage's length: fixed from the pace of its first ``TIMING_STEPS`` timed
-    steps, then re-estimated at the budget's points (``train/budget.py``, as ``clozax train``
-    does) from the pace since the last estimate. Process 0 decides for all; each choice is
-    recorded in ``config.json`` (``budget_revisions``: a resume replays them at their steps,
-    and keeps the last length) and set as the schedule's total. Returns ``(config, state,
-    end)``."""
-    jax.block_until_ready(state)  # the steps dispatched so far have run: the pace is real
-    train = config.train
-    if not train.budget_revisions:
-        steps = budget.estimate(step, math.inf, train.save_every)
-    else:
-        steps = budget.revise(step, train.steps, math.inf, train.save_every)
-    steps = distributed.broadcast(-1 if steps is None else steps)
-    if steps < 0:
-        return config, state, end
-    config = config.replace(train=dataclasses.replace(
-        train, steps=steps, minutes=None, budget_revisions=(*train.budget_revisions,
-                                                            (step, steps))))
-    if distributed.is_primary():
-        files.write_json(out / CONFIG_FILE, config.to_dict(), sort_keys=True)
-    log.retotal(steps)
-    log.info(f"budget {budget.budget_s / 60:g} min: at step {step} the stage "
-             f"{'ends' if len(config.train.budget_revisions) == 1 else 'now ends'} at step "
-             f"{steps} (recorded in config.json)")
-    return config, with_total_steps(state, steps), steps if stop_after is None else min(steps,
-                                                                                   stop_after)
 
 
 def _record(log: TrainLog, metrics: dict, step: int, started: float) -> float:

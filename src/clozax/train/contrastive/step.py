@@ -18,8 +18,10 @@ and its gradient *with respect to the embeddings* over the whole batch; then eac
 its embeddings' gradient pulled back through the encoder (``jax.vjp``) and summed. The result is
 the full-batch gradient (to float rounding) with one chunk's activations in memory at a time.
 Chunk ``j`` takes rows ``j, j + chunks, ...`` so every chunk spans every device. Dropout draws a
-key per chunk and side, the same in both passes; so without dropout the chunking changes no
-number beyond rounding, and with it only which dropout masks are drawn.
+key per side and *row of the batch* (``fold_in(fold_in(key, side), row)``, the encoder mapped
+over the rows with ``jax.vmap``), the same in both passes and whatever chunk holds the row: so
+``chunks`` changes no number beyond float rounding, with dropout or without (speed and memory
+only; a stage may resume with other chunks).
 """
 
 from __future__ import annotations
@@ -70,18 +72,21 @@ def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetri
     ``positive`` (and ``negative``) token rows [B, L]. ``chunks`` > 1: gradient caching."""
     embed = make_embedder(model_config, pooling)
 
+    def embed_rows(params, ids, rows, key, side):  # rows: each row's index in the batch
+        if model_config.dropout == 0:
+            return embed(params, ids, ids != pad, None)
+        side_key = jax.random.fold_in(key, SIDES.index(side))
+        row_keys = jax.vmap(lambda r: jax.random.fold_in(side_key, r))(rows)
+        return jax.vmap(lambda x, k: embed(params, x[None], x[None] != pad, k)[0])(ids, row_keys)
+
     def loss_of(embeddings):  # {side: [B, H]} -> (sum, (sum, count))
         total, count = info_nce(embeddings["query"], embeddings["positive"],
                                 embeddings.get("negative"), temperature, symmetric)
         return total, (total, count)
 
-    def keys(key, side, chunk):
-        return None if model_config.dropout == 0 else jax.random.fold_in(
-            jax.random.fold_in(key, SIDES.index(side)), chunk)
-
     def whole(params, batch, key):  # chunks == 1: one forward, one backward
         def loss(p):
-            return loss_of({s: embed(p, ids, ids != pad, keys(key, s, 0))
+            return loss_of({s: embed_rows(p, ids, jnp.arange(ids.shape[0]), key, s)
                             for s, ids in batch.items()})
         grad_sum, (total, count) = jax.grad(loss, has_aux=True)(params)
         return total, count, grad_sum
@@ -94,31 +99,50 @@ def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetri
 
     def cached(params, batch, key):
         parts = {s: split(ids) for s, ids in batch.items()}  # {side: [chunks, b, L]}
-        index = jnp.arange(chunks)
+        rows = split(jnp.arange(next(iter(batch.values())).shape[0]))  # [chunks, b]
 
         def first_pass(side):  # embeddings of every chunk, no gradient kept
             return unsplit(jax.lax.map(
-                lambda a: embed(params, a[1], a[1] != pad, keys(key, side, a[0])),
-                (index, parts[side])))
+                lambda a: embed_rows(params, a[1], a[0], key, side), (rows, parts[side])))
 
         embeddings = {s: jax.lax.stop_gradient(first_pass(s)) for s in parts}
         (_, (total, count)), cotangents = jax.value_and_grad(loss_of, has_aux=True)(embeddings)
         cotangents = {s: split(g) for s, g in cotangents.items()}
 
         def second_pass(grad_acc, a):  # one chunk again, its embeddings' gradient pulled back
-            j, chunk_ids, chunk_cot = a
+            chunk_rows, chunk_ids, chunk_cot = a
             for side in parts:
                 ids = chunk_ids[side]
-                _, pull = jax.vjp(lambda p, ids=ids, side=side: embed(
-                    p, ids, ids != pad, keys(key, side, j)), params)
+                _, pull = jax.vjp(lambda p, ids=ids, side=side: embed_rows(
+                    p, ids, chunk_rows, key, side), params)
                 grad_acc = jax.tree.map(jnp.add, grad_acc, pull(chunk_cot[side])[0])
             return grad_acc, None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, _ = jax.lax.scan(second_pass, zeros, (index, parts, cotangents))
+        grad_sum, _ = jax.lax.scan(second_pass, zeros, (rows, parts, cotangents))
         return total, count, grad_sum
 
     return whole if chunks == 1 else cached
+
+
+def stage_rate(peak: float):
+    """The stage's learning rate ``rate(count, total_steps)``: linear warm-up over the first
+    tenth of the stage's length (at least 1 update, at most ``total_steps - 1``), then linear
+    decay to 0 at ``total_steps`` — ``core/optim.py``'s ``learning_rate`` with that warm-up,
+    computed from the length in the optimizer state, so a ``--minutes`` stage's warm-up is a
+    tenth of the length its budget chose (a change of it recompiles nothing)."""
+
+    def rate(count, total_steps):
+        count = jnp.asarray(count, jnp.float32)
+        tenth = jnp.maximum((jnp.asarray(total_steps, jnp.int32) + 9) // 10, 1)
+        total = jnp.asarray(total_steps, jnp.float32)
+        warmup = jnp.minimum(tenth.astype(jnp.float32), jnp.maximum(total - 1.0, 0.0))
+        frac = jnp.clip((count - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
+        decayed = peak + (0.0 - peak) * frac
+        warming = peak * count / jnp.maximum(warmup, 1.0)
+        return jnp.where(count < warmup, warming, decayed)
+
+    return rate
 
 
 def make_embed_step(model_config, optimizer, schedule, pooling: str, temperature: float,
