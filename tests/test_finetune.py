@@ -337,6 +337,10 @@ def test_a_rerun_trains_only_new_jobs_and_model_is_always_the_job_result_names(
         assert meta["metric"] == result["task"]["metric"]
         settings = result["encoders"]["trained"]["settings"]  # the best mean validation
         assert sel == max(settings, key=lambda x: x["validation"]["mean"])
+        # result.json holds the chosen setting's test figures alone: none to choose on
+        written = json.loads((tiny_run_copy / "finetune" / "grid" / "result.json").read_text())
+        assert [("test" in x, x == sel) for x in written["encoders"]["trained"]["settings"]] \
+            == [(x == sel,) * 2 for x in settings]
 
     trained.clear()
     two = dataclasses.replace(one, learning_rates=(1e-3, 3e-3))
@@ -473,6 +477,27 @@ def test_each_seed_keeps_its_best_validation_epoch_and_the_best_seed_is_the_mode
 
 
 @pytest.mark.fast
+def test_only_the_setting_chosen_on_validation_carries_test_figures():
+    """A setting not chosen keeps its validation figures and no test ones, so ``result.json``
+    (``summarise``'s output) offers nothing to choose a setting on test with."""
+    def job(lr, decay, seed, val, test):
+        return {"learning_rate": lr, "layer_decay": decay, "seed": seed, "seconds": 1.0,
+                "per_epoch": [{"validation": {"accuracy": val}, "test": {"accuracy": test}}]}
+
+    records = [job(lr, d, seed, val + 0.01 * seed, 0.95 - val)
+               for (lr, d, val) in ((1e-3, 1.0, 0.8), (1e-3, 0.8, 0.6), (3e-3, 1.0, 0.7))
+               for seed in (0, 1)]
+    summary = ft.summarise(records, "accuracy")
+    chosen = summary["selected"]
+    assert (chosen["learning_rate"], chosen["layer_decay"]) == (1e-3, 1.0)
+    assert chosen["test"]["accuracy"]["per_seed"] == pytest.approx([0.15, 0.15])
+    assert [("test" in s, "validation" in s) for s in summary["settings"]] == [
+        (True, True), (False, True), (False, True)]  # (1e-3, 1), (1e-3, 0.8), (3e-3, 1)
+    assert summary["settings"][0] is chosen
+    assert "test" not in json.dumps(summary["settings"][1:])
+
+
+@pytest.mark.fast
 def test_a_difference_over_seeds_is_welchs_interval_and_one_seed_has_none():
     from scipy import stats
 
@@ -495,6 +520,30 @@ def test_a_difference_over_seeds_is_welchs_interval_and_one_seed_has_none():
     older = {"metric": "accuracy", "mean": 0.3, "outside_the_seed_spread": True}
     assert difference_words(older) == "+30.0 pp (no interval recorded: rerun clozax finetune " \
                                       "for one)"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("a, b, words", [
+    ([0.7, 0.7, 0.7], [0.7, 0.7, 0.7], "+0.0 pp (identical on every seed: no spread over seeds, "
+                                       "no interval)"),
+    ([0.7, 0.7, 0.7], [0.6, 0.6, 0.6], "+10.0 pp (the same on every seed: no spread over seeds, "
+                                       "no interval)"),
+    ([0.7, 0.7, 0.7], 0.6, "+10.0 pp (the same on every seed: no spread over seeds, no "
+                           "interval)")])
+def test_seeds_that_all_score_the_same_are_no_interval_and_never_clear(a, b, words):
+    """Every seed scoring the same on each side is no spread over seeds, not an exact zero-width
+    interval: the difference is said with no interval and is not clear, zero or not — and a
+    result written with such a zero-width interval called clear holds no downstream claim."""
+    from clozax.judge.claims import difference_words, downstream_claims, seed_difference
+
+    d = seed_difference(a, b)
+    assert d["interval"] is None and d["clear"] is False and d["same_on_every_seed"]
+    assert difference_words(d) == words
+    assert downstream_claims({"trained_minus_random_init": d})[0]["holds"] is False
+    older = {"metric": "accuracy", "mean": 0.1, "seeds": [3, 3], "level": 0.95,
+             "interval": [0.1, 0.1], "clear": True}
+    assert "clear" not in difference_words(older)
+    assert downstream_claims({"trained_minus_random_init": older})[0]["holds"] is False
 
 
 @pytest.mark.fast
@@ -645,6 +694,44 @@ def test_bad_task_input_is_one_line(tiny_run, tmp_path, case, message):
     with pytest.raises(ValueError) as error:
         ft.load_task(ft.TaskSpec(train=train, test=test, kind=kind, metric=metric), run, tok)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_labels_of_one_value_are_one_class_and_two_forms_of_it_are_one_line(tiny_run, tmp_path):
+    """JSON's ``1`` and ``1.0`` (and the string ``"1"``) are one class, named ``1``; two forms
+    that read as one number or truth value (``1`` and ``true``, ``"1"`` and ``"1.0"`` in a CSV,
+    ``1`` in training and ``true`` in the test file) are refused in one line naming each form
+    and where it is, never made two classes."""
+    run = load_run(tiny_run)
+    tok = load_tokenizer(run.tokenizer_path)
+    forms = [1, 1.0, "1", 0, 0.0, "0"]
+    train = _write_jsonl(tmp_path / "numbers.jsonl",
+                         [{"text": f"some text {i}", "label": forms[i % 6]} for i in range(60)])
+    task = ft.load_task(ft.TaskSpec(train=train), run, tok)
+    assert task.labels == ["0", "1"]
+    assert sum(len(s) for s in task.splits.values()) == 60
+    assert tasks.label_name(True) == "true" and tasks.label_name(0.5) == "0.5"
+
+    def refused(spec: ft.TaskSpec) -> str:
+        with pytest.raises(ValueError) as error:
+            ft.load_task(spec, run, tok)
+        assert "\n" not in str(error.value)
+        return str(error.value)
+
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", [
+        {"text": f"some text {i}", "label": [0, 1, True][i % 3]} for i in range(30)])
+    said = refused(ft.TaskSpec(train=mixed))
+    assert said.startswith(f"labels 1 ({mixed}:2) and true ({mixed}:3) are one value written "
+                           "two ways") and "write each class one way in every file" in said
+    table = tmp_path / "labels.csv"
+    table.write_text("text,label\n" + "".join(f"some text {i},{['0', '1', '1.0'][i % 3]}\n"
+                                              for i in range(30)))
+    assert refused(ft.TaskSpec(train=table)).startswith(
+        f'labels "1" ({table}:3) and "1.0" ({table}:4) are one value written two ways')
+    numbers = _write_jsonl(tmp_path / "train.jsonl", [
+        {"text": f"some text {i}", "label": i % 2} for i in range(30)])
+    truths = _write_jsonl(tmp_path / "test.jsonl", [{"text": "t", "label": True}])
+    assert refused(ft.TaskSpec(train=numbers, test=truths)).startswith(
+        f"labels 1 ({numbers}:2) and true ({truths}:1) are one value written two ways")
 
 
 def test_the_cli_says_a_bad_task_in_one_line(tiny_run, tmp_path, capsys):

@@ -72,7 +72,7 @@ def downstream_claims(finetune: dict | None) -> list[dict]:
         if d is None:
             out.append({"claim": claim, "holds": None, "detail": "not run (clozax finetune)"})
             continue
-        out.append({"claim": claim, "holds": bool(d.get("clear") and d["mean"] > 0),
+        out.append({"claim": claim, "holds": is_clear(d) and d["mean"] > 0,
                     "detail": difference_words(d)})
     for claim, where in (
             ("the same on WordNet's categories", "benchmarks/downstream.py RUN --tasks wordnet"),
@@ -110,7 +110,11 @@ def seed_difference(a: list[float], b, level: float = 0.95) -> dict:
     ``b`` is a list of per-seed scores, the one-sample t interval when ``b`` is one fixed number
     (a deterministic baseline: TF-IDF, the constant predictor). ``clear`` only when the interval
     excludes zero; with a single seed on a side there is no interval (``interval`` None, never
-    clear, ``note`` says so)."""
+    clear, ``note`` says so). Nor when every seed scored the same on each side (no spread: a
+    t interval is 0/0, not an exact zero-width one; the seeds did not vary the result, so they
+    say nothing about how it would vary): ``interval`` None, never clear, ``same_on_every_seed``
+    True and ``note`` "identical on every seed" (a difference of 0) or "the same on every
+    seed"."""
     from scipy import stats
 
     fixed = not isinstance(b, (list, tuple))
@@ -119,8 +123,10 @@ def seed_difference(a: list[float], b, level: float = 0.95) -> dict:
     out = {"mean": mean, "seeds": [len(a)] if fixed else [len(a), len(b)], "level": level}
     if len(a) < 2 or (not fixed and len(b) < 2):
         return {**out, "interval": None, "clear": False, "note": "one seed: no interval"}
-    if len(set(a)) == 1 and len(set(b)) == 1:  # every seed scored the same: exact
-        return {**out, "interval": [mean, mean], "clear": mean != 0.0}
+    if len(set(a)) == 1 and len(set(b)) == 1:  # no spread over seeds: no interval, not clear
+        same = "identical on every seed" if mean == 0.0 else "the same on every seed"
+        return {**out, "interval": None, "clear": False, "same_on_every_seed": True,
+                "note": f"{same}: no spread over seeds, no interval"}
     if fixed:  # the one-sample interval of a around b, shifted to a difference
         low, high = stats.ttest_1samp(a, b[0]).confidence_interval(level)
         low, high = low - b[0], high - b[0]
@@ -137,8 +143,17 @@ def difference_words(d: dict) -> str:
         return f"{pp(d['mean'])} (no interval recorded: rerun clozax finetune for one)"
     if d["interval"] is None:
         return f"{pp(d['mean'])} ({d['note']})"
+    if d["interval"][0] == d["interval"][1]:  # written before zero spread had its own words
+        return f"{pp(d['mean'])} (the same on every seed: no spread over seeds, no interval)"
     return f"{pp(d['mean'])} {ci(d['interval'], pp=True)} ({100 * d['level']:.0f} % interval " \
            f"over seeds{', clear' if d['clear'] else ', includes 0: not clear'})"
+
+
+def is_clear(d: dict) -> bool:
+    """A ``seed_difference``'s interval excludes 0 — and is an interval: a zero-width one (a
+    result written when every seed scoring the same was called exact) is not clear."""
+    interval = d.get("interval")
+    return bool(d.get("clear") and interval is not None and interval[0] != interval[1])
 
 
 def overlap_words(record: dict) -> str:

@@ -185,9 +185,8 @@ def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
             elif bar is None:
                 e = jobs_lib.best_epoch(record, task.metric)
                 kept = record["per_epoch"][e - 1]
-                say(f"{name}: validation {task.metric} {kept['validation'][task.metric]:.4f}, "
-                    f"test {kept['test'][task.metric]:.4f} (epoch {e}, "
-                    f"{record['seconds']:.1f} s)")
+                say(f"{name}: validation {task.metric} {kept['validation'][task.metric]:.4f} "
+                    f"(epoch {e}, {record['seconds']:.1f} s)")  # test: the chosen setting's
     finally:
         if bar is not None:
             bar[0].stop()

@@ -1,8 +1,8 @@
 """Choosing a fine-tuning setting from its jobs' records: per (learning rate, layer decay),
-each seed's best-validation epoch and the validation and test spreads over seeds; the setting
-with the best mean validation score; its best-validation seed, the model kept. Used by
-``judge/finetune/protocol.py`` for every encoder of a task alike (the trained one and its
-control)."""
+each seed's best-validation epoch and the validation spread over seeds; the setting with the
+best mean validation score, its test spread (the only setting with one), and its
+best-validation seed, the model kept. Used by ``judge/finetune/protocol.py`` for every encoder
+of a task alike (the trained one and its control)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def decay_of(record: dict) -> float:
 
 
 def summarise(records: list[dict], metric: str) -> dict:
-    """Per setting (learning rate, layer decay): each seed's best-validation epoch, validation
-    and test spreads; the setting chosen on mean validation (ties: the lower rate, then the
-    weaker decay), and its best-validation seed (the model kept). A setting where a seed
+    """Per setting (learning rate, layer decay): each seed's best-validation epoch and the
+    validation spread; the setting chosen on mean validation (ties: the lower rate, then the
+    weaker decay), its test spreads, and its best-validation seed (the model kept). Only the chosen
+    setting carries ``test``: the others keep their validation figures alone, so nothing read
+    from the summary (``result.json``) can choose a setting on test. A setting where a seed
     diverged is recorded (each seed's step), never chosen; all: one line."""
     by_setting: dict[tuple[float, float], list[dict]] = {}
     for r in records:
@@ -61,4 +63,6 @@ def summarise(records: list[dict], metric: str) -> dict:
                          "rates with --lr")
     chosen = max(settings, key=lambda s: (s["validation"]["mean"], -s["learning_rate"],
                                           s["layer_decay"]))
+    settings = [s if s is chosen else {k: v for k, v in s.items() if k != "test"}
+                for s in settings]
     return {"settings": settings, "selected": chosen, "diverged": diverged}

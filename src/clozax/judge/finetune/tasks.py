@@ -18,8 +18,10 @@ and ignores the rest (label ``IGNORE``), as HF's examples do.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,25 +242,42 @@ def keyed_hash(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\x00{key}".encode()).digest()[:8], "big")
 
 
-def _bucket(seed: int, key: str) -> float:
-    return keyed_hash(seed, key) / 2**64
-
-
 def carve(raw: Raw, seed: int, fractions: dict[str, float]) -> dict[str, Raw]:
     """Split ``raw`` by a keyed hash of each example's group (its text when it has none)."""
-    bounds, total = [], 0.0
-    for name in fractions:
-        total += fractions[name]
-        bounds.append((total, name))
+    bounds = list(zip(itertools.accumulate(fractions.values()), fractions, strict=True))
     parts = {name: [] for name in ["train", *fractions]}
     for i in range(len(raw.targets)):
         key = raw.groups[i] or json.dumps(raw.texts[i] if raw.texts else raw.words[i])
-        u = _bucket(seed, key)
+        u = keyed_hash(seed, key) / 2**64
         parts[next((n for b, n in bounds if u < b), "train")].append(i)
     return {name: raw.pick(ix) for name, ix in parts.items()}
 
 
 # --------------------------------------------------------------------------- encoding
+
+
+def label_name(value) -> str:
+    """A class label's name: a string as written, a boolean ``true``/``false``, a number in its
+    shortest form, an integral one as an integer (JSON's ``1`` and ``1.0``, and ``"1"``: ``1``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    return str(int(value)) if np.isfinite(value) and float(value).is_integer() else str(value)
+
+
+def _one_form_per_value(raws) -> None:
+    """Two label names that read as one number or truth value (``1`` and ``1.0`` as text, ``1``
+    and ``true``, ``True`` and ``true``) would be two classes: refused, in one line."""
+    seen, pairs = {}, [vw for raw in raws for vw in zip(raw.targets, raw.where, strict=True)]
+    for value, where in pairs:
+        name, key = label_name(value), None
+        with contextlib.suppress(ValueError):  # a name that reads as no number: key None
+            key = float({"true": "1", "false": "0"}.get(name.lower(), name))
+        first = seen.setdefault(key, (value, where))
+        if key is not None and np.isfinite(key) and label_name(first[0]) != name:
+            a, b = (json.dumps(v, default=str) for v in (first[0], value))
+            raise ValueError(f"labels {a} ({first[1]}) and {b} ({where}) are one value "
+                             "written two ways, two classes; write each class one way in "
+                             "every file (e.g. all 1/0, or all true/false)")
 
 
 def _label_names(train: Raw, kind: str) -> list[str] | None:
@@ -267,7 +286,7 @@ def _label_names(train: Raw, kind: str) -> list[str] | None:
     if kind == "tokens":
         names = sorted({t for tags in train.targets for t in tags})
     else:
-        names = sorted({str(t) for t in train.targets})
+        names = sorted({label_name(t) for t in train.targets})
     if len(names) < 2:
         what = "tag" if kind == "tokens" else "class"
         raise ValueError(f"the training split has {len(names)} {what}(es) ({', '.join(names)}); "
@@ -285,7 +304,7 @@ def _target(value, kind: str, index: dict | None, where: str, split: str):
         if not np.isfinite(number):
             raise ValueError(f"{where}: label {value!r} is not finite")
         return number
-    key = str(value)
+    key = label_name(value)
     if key not in index:
         raise ValueError(f"{where}: {split} label {key!r} never appears in training; add "
                          "training examples of it or drop it")
@@ -329,7 +348,7 @@ def encode(tokenizer, raw: Raw, kind: str, labels: list[str] | None, specials: d
             out.text.append(" ".join(words))
         return out, dropped
     for texts, value, where in zip(raw.texts, raw.targets, raw.where, strict=True):
-        if kind != "regression" and value is not None and str(value) not in index \
+        if kind != "regression" and value is not None and label_name(value) not in index \
                 and drop_unseen:
             dropped += 1
             continue
@@ -354,6 +373,8 @@ def build(name: str, kind: str, source: str, metric: str, raws: dict[str, Raw], 
           specials: dict, seq_len: int, carved: set[str]) -> Task:
     """Encode every split of ``raws``; unseen labels in a ``carved`` split are dropped and
     counted, in a split the user gave they are an error."""
+    if kind in ("classification", "pair"):
+        _one_form_per_value(raws.values())
     labels = _label_names(raws["train"], kind)
     metric = metric or default_metric(kind, labels)
     if metric not in METRICS[kind] or (metric == "f1" and len(labels) != 2):
