@@ -9,7 +9,8 @@ seeds. A choice is kept in ``clozax train --recipe budget`` only if it pays here
     python benchmarks/budget.py --minutes 8 --candidates budget --tasks builtin --epochs 10
 
 Candidates (``CANDIDATES``): a preset, a recipe, the dataset's row length, vocabulary and case,
-and ``--set`` overrides (a recipe's own settings win over ``--set``, as in ``clozax train``); each
+and ``--set`` overrides (a ``--set`` that contradicts the recipe is refused, as in ``clozax
+train``); each
 trains into ``OUT/NAME/run`` (an existing finished run is reused: rerun with another ``--out``
 to retrain). Prints one line per candidate and task, and writes ``OUT/budget.json``.
 Run it on a quiet machine: the step count each candidate gets is its measured pace.

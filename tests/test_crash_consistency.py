@@ -288,6 +288,9 @@ def test_a_signal_before_the_first_step_exits_at_once_and_saves_nothing(stdlib_d
     assert time.monotonic() - sent < 2.5  # not after the held batch and a step
     assert "SIGTERM before the first step: nothing new to save" in err
     assert faults.steps_dirs(out) == [] and "Traceback" not in err
+    # Its lock released on the way out (os._exit runs no finally): it once left its record,
+    # which a requeue on another host waited a minute for as a live writer's.
+    assert not locks.lock_path(out).exists() and locks.read_holder(out) is None
 
 
 def test_a_signal_after_the_last_sync_point_finishes_the_save_then_exits_with_its_code(
@@ -404,6 +407,20 @@ REMOTE = {"host": "elsewhere", "pid": 1, "process_start": "1", "boot": "b",
           "since": "2026-12-01T00:00:00", "command": "clozax train"}
 
 
+def test_a_holder_leaving_by_os_exit_after_release_held_leaves_no_lock_to_take_over(tmp_path):
+    leaver = ("import os, sys\nfrom pathlib import Path\nfrom clozax.core import locks\n"
+              "with locks.hold(Path(sys.argv[1]), 'run x'):\n"
+              "    locks.release_held()\n    os._exit(143)\n")
+    proc = subprocess.run([sys.executable, "-c", leaver, str(tmp_path / "run")],
+                          cwd=faults.ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    assert not locks.lock_path(tmp_path / "run").exists()
+    said = []
+    with locks.hold(tmp_path / "run", "run x", say=said.append):
+        pass
+    assert said == []  # nothing waited for, nothing taken over
+
+
 def test_a_requeue_waits_for_a_remote_holders_heartbeat_to_go_stale_then_runs(
         tmp_path, monkeypatch):
     # A job OOM-killed on another node leaves a fresh heartbeat: the requeue once failed at
@@ -443,6 +460,79 @@ def test_a_remote_holder_whose_heartbeat_advances_is_refused(tmp_path, monkeypat
         stop.set()
         beating.join()
     assert json.loads(path.read_text())["host"] == "elsewhere"  # untouched
+
+
+TAKEN_OVER_WRITER = """
+import sys, time
+from pathlib import Path
+from clozax.core import locks
+locks.HEARTBEAT_SECONDS = 0.2
+directory, mode, log = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+with locks.hold(directory, "run x"):
+    print("held", flush=True)
+    while True:  # a commit every 20 ms, asked first (mode "checks"), or never asked (a compile)
+        asked = time.time()
+        if mode == "checks":
+            try:
+                locks.check_held(directory)
+            except locks.LockLost as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                sys.exit(2)
+        with open(log, "a") as f:
+            f.write(f"{asked!r}\\n")
+        time.sleep(0.02)
+"""
+
+
+def _take_over(directory: Path) -> float:
+    """What a writer on another host does to a holder it judged dead (``locks._take_over``):
+    its own record renamed over the lock file. Returns when it was done."""
+    path = locks.lock_path(directory)
+    mine = path.with_name(path.name + ".elsewhere.1")
+    mine.write_text(json.dumps(REMOTE))
+    os.replace(mine, path)
+    return time.time()
+
+
+@pytest.mark.parametrize("mode", ["checks", "heartbeat"])
+def test_a_live_holder_whose_lock_is_taken_over_stops_writing_in_one_line(tmp_path, mode):
+    # Its heartbeat judged stale by a writer on another host (a filesystem without flock): the
+    # holder once went on writing beside the writer that took its lock over.
+    log = tmp_path / "commits"
+    proc = subprocess.Popen([sys.executable, "-c", TAKEN_OVER_WRITER, str(tmp_path / "run"),
+                             mode, str(log)], cwd=faults.ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    assert faults.wait_for(proc, lambda: log.is_file() and len(log.read_text().split()) >= 5)
+    taken = _take_over(tmp_path / "run")
+    _, err = proc.communicate(timeout=30)
+    asked = [float(t) for t in log.read_text().split()]
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: run x: this process's lock was taken over by "
+                               '"clozax train" (pid 1 on elsewhere'), err
+    if mode == "checks":  # asked before each commit: none after the take-over
+        assert max(asked) < taken
+    else:  # nothing asked (a compile, a write in flight): out at its next heartbeat
+        assert max(asked) < taken + 10 * 0.2  # never, before: it wrote until killed
+    assert json.loads(locks.lock_path(tmp_path / "run").read_text())["host"] == "elsewhere"
+
+
+def test_a_prepare_whose_lock_is_taken_over_publishes_nothing(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} says " + "word " * (i % 7)})
+                              + "\n" for i in range(200)))
+    out = tmp_path / "ds"
+    proc = faults.start(["prepare", "--corpus", str(corpus), "--out", str(out), "--quiet",
+                         "--vocab-size", "64", "--seq-len", "32"],
+                        {"CLOZAX_TEST_PAUSE_BEFORE_RENAME": "2"})
+    assert faults.wait_for(proc, locks.lock_path(out).is_file)
+    _take_over(out)
+    _, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, err
+    assert f"error: dataset {out}: this process's lock was taken over by" in lines[0]
+    assert not out.exists()
 
 
 def test_a_staged_directory_is_judged_by_host_pid_and_start_never_by_pid_alone(tmp_path):

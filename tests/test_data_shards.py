@@ -101,6 +101,27 @@ def test_one_two_workers_and_a_dask_cluster_write_byte_identical_shards_with_one
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
+def test_a_dataset_prepared_again_at_its_path_in_one_process_holds_the_new_corpus(tmp_path):
+    """A notebook that prepares, edits the corpus and prepares again at the same --out (in its
+    own process: one worker packs here). The second prepare once read the first's plan and
+    packed with the first's tokenizer (caches keyed by path), and failed or wrote rows of the
+    old vocabulary under the new tokenizer."""
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    prepare(out, corpus=str(corpus), workers=1, quiet=True, **OPTIONS)
+    first = host_batch(open_dataset(out).train, np.arange(8))["tokens"]
+    rng = random.Random(1)
+    other = [w.upper() + "x" for w in WORDS] + ["zeta", "eta", "theta"]
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(other) for _ in range(
+        rng.randint(3, 40)))}) + "\n" for _ in range(300)))
+    prepare(out, corpus=str(corpus), workers=1, quiet=True, overwrite=True, **OPTIONS)
+    again = host_batch(open_dataset(out).train, np.arange(8))["tokens"]
+    fresh = tmp_path / "fresh"  # the new corpus, prepared where nothing was cached
+    prepare(fresh, corpus=str(corpus), workers=1, quiet=True, **OPTIONS)
+    assert _files(out) == _files(fresh)
+    assert not np.array_equal(again, first)
+    assert np.array_equal(again, host_batch(open_dataset(fresh).train, np.arange(8))["tokens"])
+
+
 def test_a_failed_worker_is_one_line_and_the_rerun_keeps_its_finished_shards(tmp_path):
     """A worker that dies (killed, the OOM killer): an error naming it; the shards finished
     before it are kept, and the rerun equals an uninterrupted run. (Kills of prepare itself at

@@ -67,11 +67,21 @@ tokens = 4096
      "used twice"),
     # its held-out set was eval_masks_15.npz, the fixed-15 % set's file
     ("[[phases]]\nname = \"15\"\nsteps = 3\n", "phase name '15' would name its held-out set"),
+    # the phases' 3 once replaced it without a word
+    ("[train]\nsteps = 5\n[[phases]]\nsteps = 3\n", "sets [train] steps = 5 beside [[phases]], "
+     "whose steps total 3: a run in phases has the length its phases give; drop [train] steps"),
+    ("[train]\nsteps = 5\n[[phases]]\ntokens = 4096\n", "sets [train] steps = 5 beside"),
 ])
 def test_a_bad_phase_table_is_one_line_naming_the_key(tmp_path, text, words):
     with pytest.raises(ValueError) as e:
         config_lib.resolve(_toml(tmp_path, text))
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_train_steps_equal_to_the_phases_total_is_their_length_and_accepted(tmp_path):
+    cfg = config_lib.resolve(_toml(tmp_path, "[train]\nsteps = 7\n[[phases]]\nsteps = 3\n"
+                                             "[[phases]]\nsteps = 4\n"))
+    assert cfg.train.steps == 7 and [p.steps for p in cfg.phases] == [3, 4]
 
 
 def test_steps_beside_phases_is_refused_in_one_line_before_anything_trains(
@@ -83,6 +93,10 @@ def test_steps_beside_phases_is_refused_in_one_line_before_anything_trains(
     line = one_line_error(capsys, "train", "--data", stdlib_data, "--out", tmp_path / "run",
                           "--config", toml, "--preset", "tiny", "--steps", "5")
     assert "--steps 5 cannot be combined with [[phases]]" in line
+    assert not (tmp_path / "run").exists()
+    line = one_line_error(capsys, "train", "--data", stdlib_data, "--out", tmp_path / "run",
+                          "--config", toml, "--preset", "tiny", "--set", "train.steps=5")
+    assert "--set train.steps=5 cannot be combined with [[phases]]" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -267,6 +281,39 @@ def test_the_budget_recipe_masks_40_percent_in_two_microbatches_and_keeps_the_re
     with pytest.raises(ValueError, match="microbatches"):
         apply_recipe("budget", config_lib.resolve(preset="tiny",
                                                   overrides=["train.batch_size=7"]))
+
+
+@pytest.mark.parametrize("recipe, given, words", [
+    ("budget", ["--set", "masking.rate=0.3"],
+     "--recipe budget sets masking.rate to 0.4, and --set masking.rate=0.3 sets it to 0.3; drop "
+     "one of them"),
+    ("budget", ["--set", "train.microbatches=4"], "sets train.microbatches to 2, and --set "
+     "train.microbatches=4 sets it to 4"),
+    ("modernbert", ["--steps", "100", "--set", "optim.learning_rate=5e-4"],
+     "--recipe modernbert sets optim.learning_rate to 0.0008, and --set optim.learning_rate=5e-4 "
+     "sets it to 0.0005"),
+    ("budget", ["--config", "CONFIG"], "sets masking.rate to 0.4, and config file CONFIG "
+     "([masking] rate) sets it to 0.15"),
+])
+def test_a_recipe_and_a_setting_of_the_same_key_are_refused_in_one_line_naming_both(
+        tmp_path, capsys, recipe, given, words):
+    # The recipe's value once replaced the user's without a word (the run masked 40 %, not 30).
+    from commands import one_line_error
+
+    config = _toml(tmp_path, "[masking]\nrate = 0.15\n")
+    given = [str(config) if g == "CONFIG" else g for g in given]
+    line = one_line_error(capsys, "train", "--data", tmp_path / "data", "--out",
+                          tmp_path / "run", "--preset", "tiny", "--recipe", recipe, *given)
+    assert words.replace("CONFIG", str(config)) in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_setting_the_recipe_agrees_with_is_no_conflict(tmp_path):
+    from clozax.train.command import Options, resolve_command
+
+    cfg = resolve_command(tmp_path / "run", Options(preset="tiny", recipe="budget", set_=(
+        "masking.rate=0.4", "train.microbatches=2", "optim.learning_rate=5e-4")))
+    assert (cfg.masking.rate, cfg.train.microbatches, cfg.optim.learning_rate) == (0.4, 2, 5e-4)
 
 
 def test_every_budget_sweep_candidate_resolves_to_a_valid_config(tmp_path, monkeypatch):

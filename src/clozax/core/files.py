@@ -143,6 +143,14 @@ def write_jsonl(path: Path, records) -> Path:
     return write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
+def identity(path: Path) -> tuple[str, tuple[int, ...]]:
+    """``(str(path), (device, inode, size, modification ns))``: a cache key that changes when
+    a file is written again at the same path (atomically: a new inode; in place: its size or
+    modification time)."""
+    st = os.stat(path)
+    return str(path), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def file_sha256(path: Path) -> str:
     """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()

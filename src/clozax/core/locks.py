@@ -30,7 +30,13 @@ HOST, last heartbeat N s ago"): a beat seen meanwhile means it lives (refused), 
 another node waits, then runs.
 
 The file is deleted by its holder on release; a process holding a descriptor of a file no
-longer at the lock's path starts again, so two writers never hold two files of one path.
+longer at the lock's path starts again, so two writers never hold two files of one path. A
+process leaving by ``os._exit`` (no ``finally`` runs) first calls ``release_held``.
+
+A holder judged dead while it lives (its heartbeat stalled on a filesystem without ``flock``)
+finds, at its next heartbeat or at ``check_held`` before a commit, that the file at the lock's
+path is not its own: it stops writing in one line (``LockLost``; from the heartbeat, ``error:
+…`` and exit 2 at once, as a kill would leave it: what it committed stays).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,6 +67,11 @@ _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 class Locked(ValueError):
     """Another live process holds the lock; the message names it."""
+
+
+class LockLost(ValueError):
+    """This process's lock was taken over by another (its heartbeat judged stale): it must
+    write nothing more; the message names the taker."""
 
 
 @dataclass(frozen=True)
@@ -131,10 +142,12 @@ def current_holder(directory: Path) -> Holder | None:
 
 @contextmanager
 def hold(directory: Path, what: str, say: Callable[[str], None] | None = None,
-         command: str | None = None) -> Iterator[Holder]:
+         command: str | None = None,
+         on_lost: Callable[[str], None] | None = None) -> Iterator[Holder]:
     """Hold ``directory``'s lock for the block; ``Locked`` (one line naming the holder) when a
     live process holds it. ``what`` names the directory in messages (e.g. "run runs/x");
-    ``say`` hears a wait for a remote holder and a dead holder's lock taken over."""
+    ``say`` hears a wait for a remote holder and a dead holder's lock taken over; ``on_lost``
+    the heartbeat's finding that it was taken over (default: ``error: …`` and exit 2)."""
     path = lock_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     me = Holder(host=socket.gethostname(), pid=os.getpid(),
@@ -145,21 +158,84 @@ def hold(directory: Path, what: str, say: Callable[[str], None] | None = None,
     if previous is not None and say is not None:
         say(f"took over the lock of {what} from {previous.describe()}, which is no longer "
             "running")
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(fd, stop), daemon=True,
+    held = _Held(path, fd, what, me)
+    with _REGISTRY:
+        _HELD[path] = held
+    beat = threading.Thread(target=_heartbeat, args=(held, on_lost or _leave), daemon=True,
                             name=f"clozax-lock-{path.name}")
     beat.start()
     try:
         yield me
     finally:
-        stop.set()
+        held.stop.set()
         beat.join()
+        held.release()
+
+
+def check_held(directory: Path) -> None:
+    """Before a commit into ``directory``: ``LockLost`` (one line naming the taker) when this
+    process's lock on it was taken over; nothing when it still holds it (or holds none)."""
+    with _REGISTRY:
+        held = _HELD.get(lock_path(directory))
+    lost = held.lost() if held is not None else None
+    if lost is not None:
+        raise LockLost(lost)
+
+
+def release_held() -> None:
+    """Release every lock this process holds, now: for a process about to leave by
+    ``os._exit``, which runs no ``finally`` (so no record of it stays for the next writer)."""
+    with _REGISTRY:
+        held = list(_HELD.values())
+    for h in held:
+        h.stop.set()
+        h.release()
+
+
+class _Held:
+    """A lock this process holds: its path, its descriptor, and the record it wrote."""
+
+    def __init__(self, path: Path, fd: int, what: str, me: Holder):
+        self.path, self.fd, self.what, self.me, self.open = path, fd, what, me, True
+        self.stop, self._once = threading.Event(), threading.Lock()
+
+    def lost(self) -> str | None:
+        """None while the file at the lock's path is ours with our record; else the one-line
+        message of its loss (naming who holds it now)."""
         try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                path.unlink()  # ours: still locked, so nobody holds this file meanwhile
+            here, ours = os.stat(self.path), os.fstat(self.fd)
         except FileNotFoundError:
-            pass
-        os.close(fd)  # releases the kernel's lock
+            taker = "nobody: its lock file was deleted"
+        except OSError:
+            return None  # the filesystem did not answer: the next look decides
+        else:
+            record, me = _record(self.fd), self.me
+            if (here.st_ino, here.st_dev) == (ours.st_ino, ours.st_dev) and record is not None \
+                    and (record.pid, record.host, record.since) == (me.pid, me.host, me.since):
+                return None
+            look = _look(self.path)
+            taker = look[0].describe() if look and look[0] else "another process"
+        return (f"{self.what}: this process's lock was taken over by {taker} (its heartbeat "
+                "was judged stale, on a filesystem without flock or a host that stalled); it "
+                "stops here and writes nothing more: let one job at a time write it")
+
+    def release(self) -> None:
+        """Delete the lock file if it is still ours, and close it (once)."""
+        with self._once:
+            if not self.open:
+                return
+            self.open = False
+            with _REGISTRY:
+                if _HELD.get(self.path) is self:
+                    del _HELD[self.path]
+            with suppress(FileNotFoundError):  # ours: locked, so nobody holds it meanwhile
+                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                    self.path.unlink()
+            os.close(self.fd)  # releases the kernel's lock
+
+
+_HELD: dict[Path, _Held] = {}  # the locks this process holds, by lock file
+_REGISTRY = threading.Lock()
 
 
 def _acquire(path: Path, what: str, me: Holder, say) -> tuple[int, Holder | None]:
@@ -292,12 +368,24 @@ def _refusal(what: str, holder: Holder | None) -> str:
             "is released when it exits)")
 
 
-def _heartbeat(fd: int, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_SECONDS):
+def _heartbeat(held: _Held, on_lost: Callable[[str], None]) -> None:
+    while not held.stop.wait(HEARTBEAT_SECONDS):
+        lost = held.lost()
+        if lost is not None:
+            if not held.stop.is_set():  # not released meanwhile
+                on_lost(lost)
+            return
         try:
-            os.utime(fd)
+            os.utime(held.fd)
         except OSError:
-            return  # the file is gone or the filesystem refuses: the kernel's lock still holds
+            return  # the filesystem refuses: the kernel's lock still holds
+
+
+def _leave(message: str) -> None:
+    """A holder whose lock was taken over: one line, and out at once (as a kill leaves it)."""
+    sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def _command() -> str:

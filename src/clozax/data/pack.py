@@ -44,15 +44,17 @@ def _batches(records: Iterator[dict]) -> Iterator[list[dict]]:
         yield batch
 
 
-@lru_cache(maxsize=1)  # loaded once per process: memory stays flat across shards
-def _tokenizer(path: str) -> Tokenizer:
+@lru_cache(maxsize=1)  # loaded once per process and file: memory stays flat across shards
+def _tokenizer(path: str, identity: tuple[int, ...]) -> Tokenizer:
+    """Keyed by the file's ``identity`` too: one written again at ``path`` (a second prepare
+    of the same --out in this process) is read again, never served stale."""
     return Tokenizer.from_file(path)
 
 
 def pack_task(tmp: str, split: str, k: int, piece: int, seq_len: int,
               specials: dict[str, int]) -> None:
     pack_shard(Path(tmp), split, k, kept_records(Path(tmp), split, [piece]), seq_len,
-               _tokenizer(str(Path(tmp) / "tokenizer.json")), specials)
+               _tokenizer(*files.identity(Path(tmp) / "tokenizer.json")), specials)
 
 
 def pack_shard(tmp: Path, split: str, k: int, records: Iterator[dict], seq_len: int,

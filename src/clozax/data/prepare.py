@@ -18,7 +18,8 @@ and N tokenizer-training threads; ``--executor dask`` reads and packs on a Dask 
 output never depends on the executor or N.
 
 One writer per ``--out``: the whole prepare holds its lock (``core/locks.py``; a second one is
-refused naming the first), and ``--out`` is checked again before the rename.
+refused naming the first), and ``--out`` and the lock are checked again before the rename (a
+prepare whose lock was taken over publishes nothing).
 
 Resuming: a prepare killed or failed at any point and run again continues after the last
 finished piece, phase or shard, with the same final bytes; each phase is keyed by what it
@@ -118,6 +119,7 @@ def _prepare(config: PrepareConfig, quiet: bool, console: Console, say) -> dict:
                          "the next run") from None
     if os.environ.get(_PAUSE_ENV):
         time.sleep(float(os.environ[_PAUSE_ENV]))
+    locks.check_held(out)  # a holder whose lock was taken over publishes nothing
     if out.exists() and not config.overwrite:  # written by someone else meanwhile
         raise ValueError(f"output directory {out} appeared while this prepare ran; the "
                          f"prepared dataset is kept in {tmp}: run the same command with "

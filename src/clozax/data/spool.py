@@ -52,15 +52,16 @@ def _piece_file(tmp: Path, piece: int, what: str) -> Path:
     return tmp / "spool" / f"{piece:05d}.{what}"
 
 
-@lru_cache(maxsize=1)  # a worker reads them once, not once per piece
-def _setup(tmp: str) -> tuple[dict, dict]:
+@lru_cache(maxsize=1)  # a worker reads them once, not once per piece (nor a stale copy:
+def _setup(tmp: str, *identity: tuple) -> tuple[dict, dict]:  # keyed by the files' identity)
     return (files.read_json(Path(tmp) / "spool" / "plan.json"),
             files.read_json(Path(tmp) / "spool" / "settings.json"))
 
 
 def read_task(tmp: str, piece: int) -> None:
     """Read, clean and split piece ``piece``; write its spools, keys and accounting."""
-    the_plan, settings = _setup(tmp)
+    the_plan, settings = _setup(tmp, *(files.identity(Path(tmp) / "spool" / name)[1]
+                                       for name in ("plan.json", "settings.json")))
     tmp = Path(tmp)
     records = read_piece(the_plan, Piece.from_json(the_plan["pieces"][piece]),
                          FieldNames(*settings["fields"]), Layout(*settings["layout"]),

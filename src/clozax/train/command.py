@@ -5,6 +5,7 @@ anything is written or compiled. The command line only parses (``clozax.app.trai
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +38,33 @@ def resolve_command(out: Path, o: Options, say=print) -> config_lib.RunConfig:
         return _branch(out, o, say)
     resolved = config_lib.resolve(o.config, o.preset, _overrides(o),
                                   run_model=_run_model(out))
-    if o.steps is not None and resolved.phases and o.recipe is None:
-        raise ValueError(f"--steps {o.steps} cannot be combined with [[phases]]: a run in "
+    explicit = _explicit(o)
+    steps = explicit.get("train.steps", "")
+    if steps.startswith("--") and resolved.phases and o.recipe is None:
+        raise ValueError(f"{steps} cannot be combined with [[phases]]: a run in "
                          "phases has the length its phases give; set each phase's steps "
                          "(or use --recipe, which scales its phases to --steps)")
     if o.recipe is not None:
         from clozax.train.recipes import apply_recipe
 
-        resolved = apply_recipe(o.recipe, resolved)
+        resolved = apply_recipe(o.recipe, resolved, explicit)
     return resolved
+
+
+def _explicit(o: Options) -> dict[str, str]:
+    """The settings the user gave (dotted key -> where): the config file's tables, then
+    ``--set`` and the options that set one (each overriding the file)."""
+    given: dict[str, str] = {}
+    if o.config is not None:
+        for section, values in tomllib.loads(Path(o.config).read_text()).items():
+            if section in config_lib.SECTIONS and isinstance(values, dict):
+                given.update({f"{section}.{k}": f"config file {o.config} ([{section}] {k})"
+                              for k in values if k != "preset"})
+    for item in o.set_:
+        given[item.partition("=")[0].strip().replace(" ", "")] = f"--set {item}"
+    for name, value in _options(o):
+        given[f"train.{name}"] = f"--{name.replace('_', '-')} {value}"
+    return given
 
 
 def _refuse_combinations(out: Path, o: Options) -> None:
@@ -74,13 +93,15 @@ def _branch(out: Path, o: Options, say) -> config_lib.RunConfig:
     return resolved
 
 
+def _options(o: Options) -> list[tuple[str, object]]:
+    """The options that set a ``train`` key, as (key, value), where given."""
+    return [(name, value) for name, value in (
+        ("steps", o.steps), ("minutes", o.minutes), ("save_every", o.save_every),
+        ("eval_every", o.eval_every)) if value is not None]
+
+
 def _overrides(o: Options) -> list[str]:
-    overrides = list(o.set_)
-    for name, value in (("steps", o.steps), ("minutes", o.minutes),
-                        ("save_every", o.save_every), ("eval_every", o.eval_every)):
-        if value is not None:
-            overrides.append(f"train.{name}={value}")
-    return overrides
+    return [*o.set_, *(f"train.{name}={value}" for name, value in _options(o))]
 
 
 def _run_model(out: Path):

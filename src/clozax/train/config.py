@@ -27,6 +27,7 @@ from clozax.train.checks import check_bool, check_choice, check_int, check_name,
 from clozax.train.phase_config import (
     PhaseConfig,
     as_table_list,
+    check_steps_beside,
     phase_masking,
     phase_names,
     phases_from_list,
@@ -333,6 +334,7 @@ def resolve(
             data["phases"] = [{**t, "data": str((path.parent / t["data"]).absolute())}
                               if isinstance(t, dict) and isinstance(t.get("data"), str) else t
                               for t in as_table_list(loaded.pop("phases"))]
+            check_steps_beside(loaded.get("train"), data["phases"], f"config file {path}")
         for name, values in loaded.items():
             if not isinstance(values, dict):
                 raise ValueError(f"[{name}] in {path} must be a table")

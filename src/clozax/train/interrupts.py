@@ -38,6 +38,8 @@ import signal
 import sys
 import threading
 
+from clozax.core import locks
+
 EXIT_CODES = {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
 
 
@@ -106,6 +108,7 @@ class Interrupts:
                          f"{EXIT_CODES[name]})")
                 sys.stdout.flush()
                 sys.stderr.flush()
+                locks.release_held()  # os._exit runs no finally: the run's lock goes first
                 os._exit(EXIT_CODES[name])
 
     def raise_if_requested(self, message: str) -> None:

@@ -145,6 +145,22 @@ def phases_from_list(values) -> tuple[PhaseConfig, ...]:
     return tuple(PhaseConfig(**table) for table in values)
 
 
+def check_steps_beside(train, tables: list, where: str) -> None:
+    """Refuse a ``[train]`` table's ``steps`` beside ``[[phases]]`` tables (whose lengths give
+    the run's, and once replaced it without a word) in one line, unless it is their total."""
+    steps = train.get("steps") if isinstance(train, dict) else None
+    if steps is None:
+        return
+    lengths = [t.get("steps") if isinstance(t, dict) else None for t in tables]
+    total = sum(lengths) if all(isinstance(n, int) for n in lengths) else None
+    if steps == total:
+        return
+    given = f", whose steps total {total}" if total is not None else ""
+    raise ValueError(f"{where} sets [train] steps = {steps!r} beside [[phases]]{given}: a run "
+                     "in phases has the length its phases give; drop [train] steps (or set "
+                     "each phase's steps)")
+
+
 def as_table_list(value) -> list:
     if not isinstance(value, list):
         raise ValueError("phases must be [[phases]] tables (an array of tables)")

@@ -30,6 +30,7 @@ prepared dataset; add it as a ``[[phases]]`` table of your own.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from clozax.train.config import RunConfig
 from clozax.train.phase_config import PhaseConfig
@@ -39,21 +40,35 @@ BUDGET_MASK_RATE = 0.4
 BUDGET_MICROBATCHES = 2
 
 
-def apply_recipe(name: str, config: RunConfig) -> RunConfig:
-    """``config`` with recipe ``name``'s optimizer, masking and phases (a run's own
-    ``[[phases]]`` and a recipe do not mix: one line says so)."""
+def apply_recipe(name: str, config: RunConfig,
+                 explicit: Mapping[str, str] | None = None) -> RunConfig:
+    """``config`` with recipe ``name``'s optimizer, masking and phases. What the user set
+    (``explicit``: dotted key -> where, e.g. ``"--set masking.rate=0.3"``) and the recipe sets
+    otherwise is refused in one line naming both, as a run's own ``[[phases]]`` is: a recipe's
+    settings are its own, and it once replaced the user's without a word."""
     if name not in RECIPE_NAMES:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPE_NAMES)}")
     if config.phases:
         raise ValueError("--recipe and [[phases]] both given; a recipe writes the phases: drop "
                          "one of them")
-    if name == "budget":
-        return budget_recipe(config)
+    applied = budget_recipe(config) if name == "budget" else _modernbert(config)
+    for key, where in (explicit or {}).items():
+        section, _, field = key.partition(".")
+        before, after = (getattr(getattr(c, section, None), field, None) for c in (config, applied))
+        if before != after:
+            raise ValueError(f"--recipe {name} sets {key} to {after!r}, and {where} sets it to "
+                             f"{before!r}; drop one of them (to change a recipe's setting, drop "
+                             "--recipe and give its settings with --set)")
+    return applied
+
+
+def _modernbert(config: RunConfig) -> RunConfig:
+    """``config`` with the ``modernbert`` recipe's choices (see the module docstring)."""
     steps, batch = config.train.steps, config.train.batch_size
     decay = max(1, steps // 10)
     stable = steps - decay
     if stable < 2 or batch < 4:
-        raise ValueError(f"--recipe {name} needs at least 3 steps and a batch of 4 (got "
+        raise ValueError("--recipe modernbert needs at least 3 steps and a batch of 4 (got "
                          f"train.steps={steps}, train.batch_size={batch})")
     ramp = min(max(1, steps // 10), stable - 1)
     optim = dataclasses.replace(config.optim, optimizer="stable_adamw", learning_rate=8e-4,
