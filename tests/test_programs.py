@@ -149,7 +149,14 @@ def test_finetune_compiles_clean_programs(programs, capsys, tiny_run_copy, tmp_p
 
 def test_embed_and_retrieval_compile_clean_programs(programs, capsys, tiny_run, tmp_path):
     """``retrieval`` trains the contrastive stage (``clozax embed``'s step and loop) on the
-    trained and the random-init encoder, then encodes queries and documents."""
+    trained and the random-init encoder, then encodes queries and documents. The programs a
+    test before it in this process compiled for the same model are cached; cleared, so they are
+    made (and recorded) again here."""
+    from clozax.judge.retrieval import compare
+    from clozax.train.contrastive import stage
+
+    compare._jitted_encoder.cache_clear()
+    stage._jitted_step.cache_clear()
     ran = clozax(capsys, "retrieval", tiny_run, "--seeds", "1", "--steps", "2",
                  "--batch-size", "8", "--seq-len", "24", "--max-queries", "20",
                  "--out", tmp_path / "retrieval.json")
