@@ -518,6 +518,29 @@ def test_a_live_holder_whose_lock_is_taken_over_stops_writing_in_one_line(tmp_pa
     assert json.loads(locks.lock_path(tmp_path / "run").read_text())["host"] == "elsewhere"
 
 
+def test_a_checkpoint_save_after_the_lock_was_taken_over_commits_nothing(tmp_path):
+    """Every writer of a run (``train``, ``embed``) saves through the one ``Checkpointer``,
+    which asks the lock first: a save after a take-over is ``LockLost`` and no step is
+    written (before, the holder committed steps beside the new writer's until its heartbeat
+    noticed)."""
+    import jax.numpy as jnp
+
+    from clozax.core.train_state import TrainState
+    from clozax.train import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    state = TrainState(jnp.zeros((), jnp.int32), {"w": jnp.ones(3)}, {"m": jnp.zeros(3)})
+    with locks.hold(run, "run x", on_lost=lambda _: None):
+        checkpointer = ckpt.Checkpointer(run)
+        checkpointer.save(1, state, {})
+        checkpointer.wait()
+        _take_over(run)
+        with pytest.raises(locks.LockLost, match="lock was taken over by"):
+            checkpointer.save(2, state, {})
+        checkpointer.close()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1"]
+
+
 def test_a_prepare_whose_lock_is_taken_over_publishes_nothing(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} says " + "word " * (i % 7)})

@@ -65,6 +65,23 @@ def test_demo_quick_end_to_end_through_the_cli_then_resumes(stdlib_data, tmp_pat
     assert "already completed 4 steps" in second.stderr + second.stdout
 
 
+@pytest.mark.parametrize("rule, reused", [("today", True), ("other", False), (None, False)])
+def test_a_judged_result_is_reused_only_under_todays_overlap_rule(tmp_path, rule, reused):
+    """The demo re-judges a fine-tuning result recorded under another overlap rule (an older
+    threshold or shingle length), not only one recorded under none."""
+    from clozax.judge import overlap as overlap_lib
+
+    recorded = {"today": overlap_lib.RULE, "other": {**overlap_lib.RULE, "containment": 0.8},
+                None: None}[rule]
+    path = tmp_path / "finetune.json"
+    overlap = {"excluded": 0} if recorded is None else {"excluded": 0, "rule": recorded}
+    path.write_text(json.dumps({"step": 7, "task": {"pretraining_overlap": overlap}}))
+    ran = []
+    result = demo_lib._reuse_or_run(path, 7, lambda _: None, lambda: ran.append(1) or {"new": 1},
+                                    judged=True)
+    assert (result == {"new": 1}) != reused and bool(ran) != reused
+
+
 def test_demo_refuses_a_data_directory_prepared_with_other_settings(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -24,6 +24,7 @@ from rich.console import Console
 from clozax.data import prepare
 from clozax.judge import audit as audit_lib
 from clozax.judge import evaluate as evaluate_lib
+from clozax.judge import overlap as overlap_lib
 from clozax.judge import probe as probe_lib
 from clozax.judge.claims import claims, difference_words, downstream_claims
 from clozax.judge.finetune import protocol as finetune_lib
@@ -115,7 +116,7 @@ def _reuse_or_run(path: Path, step: int, say, compute, also: Path | None = None,
     if _is_current(path, step) and (also is None or also.is_file()):
         result = json.loads(path.read_text(encoding="utf-8"))
         overlap = result.get("task", {}).get("pretraining_overlap", {})
-        if not judged or "rule" in overlap:  # judged under today's containment rule
+        if not judged or overlap.get("rule") == overlap_lib.RULE:  # today's rule, exactly
             say(f"[dim]{path.name} is up to date[/]")
             return result
     return compute()

@@ -20,6 +20,11 @@ Optimizers (``make_optimizer``), every one with decoupled weight decay on dense 
   scales that tensor's weight decay, as the step size does in the paper.
 - ``lamb``: AdamW's direction (with the weight decay) rescaled per tensor by the trust ratio
   ``||w|| / ||u||`` (1 where either norm is 0), as ``optax.lamb`` composes it (You et al. 2020).
+
+``apart``: one top-level entry of the parameters (the MLM head, for a run with a head-only phase)
+keeps an optimizer state of its own (``Groups``), so ``keep_rest`` can hold the others' moments
+*and count* still while only it trains: Adam's bias correction then never counts updates that
+did not reach those parameters.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ from clozax.core import model as model_lib
 
 OPTIMIZERS = ("adamw", "stable_adamw", "lamb")
 SCHEDULES = ("linear", "cosine", "1-sqrt")
+
+
+class Groups(NamedTuple):
+    """The optimizer state of a run whose ``apart`` entry trains on its own: that entry's
+    state, and the state of every other top-level entry of the parameters."""
+
+    apart: optax.OptState
+    rest: optax.OptState
 
 
 class ScheduleState(NamedTuple):
@@ -174,24 +187,21 @@ def clip_by_update_rms(inner: optax.GradientTransformation, b2: float,
     return optax.GradientTransformation(inner.init, update)
 
 
-def make_optimizer(optim, steps: int, params, schedule=None) -> tuple:
+def make_optimizer(optim, steps: int, params, schedule=None, apart: str | None = None) -> tuple:
     """``optim.optimizer`` (see the module docstring) with global-norm clipping (``clip_norm``;
     0 disables) first and the schedule of ``learning_rate`` last (or ``schedule(count,
     total_steps)``: a phased run's ``piecewise_rate``). ``optim`` is an ``OptimConfig``. The
-    state's structure depends on ``optim.optimizer`` and ``clip_norm`` only, so a phase may
-    change the rate and the weight decay and keep the state.
+    state's structure depends on ``optim.optimizer``, ``clip_norm`` and ``apart`` only, so a
+    phase may change the rate and the weight decay and keep the state. ``apart``: the top-level
+    entry of ``params`` whose moments and count are kept apart from the rest's (``Groups``).
 
     Returns ``(optimizer, rate)``: ``rate(opt_state)`` is the learning rate of the next update.
     """
     parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
-    adam = optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps)
-    decay = optax.add_decayed_weights(optim.weight_decay, mask=model_lib.decay_mask(params))
-    if optim.optimizer == "stable_adamw":
-        parts.append(clip_by_update_rms(optax.chain(adam, decay), optim.b2, optim.eps))
-    elif optim.optimizer == "lamb":
-        parts += [adam, decay, optax.scale_by_trust_ratio()]
+    if apart is None:
+        parts.append(_moments(optim, params))
     else:
-        parts += [adam, decay]
+        parts.append(_in_groups(lambda tree: _moments(optim, tree), apart))
     if schedule is None:
         def schedule(count, total_steps):
             return learning_rate(optim, count, total_steps)
@@ -202,6 +212,50 @@ def make_optimizer(optim, steps: int, params, schedule=None) -> tuple:
         return schedule(state.count, state.total_steps)
 
     return optax.chain(*parts), rate
+
+
+def _moments(optim, params) -> optax.GradientTransformation:
+    """The optimizer proper over ``params``: Adam's moments, the decoupled weight decay on its
+    dense kernels and ``optim.optimizer``'s per-tensor rescaling."""
+    adam = optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps)
+    decay = optax.add_decayed_weights(optim.weight_decay, mask=model_lib.decay_mask(params))
+    if optim.optimizer == "stable_adamw":
+        return clip_by_update_rms(optax.chain(adam, decay), optim.b2, optim.eps)
+    if optim.optimizer == "lamb":
+        return optax.chain(adam, decay, optax.scale_by_trust_ratio())
+    return optax.chain(adam, decay)
+
+
+def _split(tree: dict, apart: str) -> tuple[dict, dict]:
+    return {apart: tree[apart]}, {k: v for k, v in tree.items() if k != apart}
+
+
+def _in_groups(make, apart: str) -> optax.GradientTransformation:
+    """``make(tree)``'s transformation run separately on ``params[apart]`` and on the other
+    top-level entries, each with its own state (``Groups``); the updates merged back."""
+
+    def init(params):
+        one, rest = _split(params, apart)
+        return Groups(make(one).init(one), make(rest).init(rest))
+
+    def update(updates, state, params=None):
+        (u_one, u_rest), (p_one, p_rest) = _split(updates, apart), _split(params, apart)
+        u_one, s_one = make(p_one).update(u_one, state.apart, p_one)
+        u_rest, s_rest = make(p_rest).update(u_rest, state.rest, p_rest)
+        return {**u_rest, **u_one}, Groups(s_one, s_rest)
+
+    return optax.GradientTransformation(init, update)
+
+
+def keep_rest(new_state, old_state):
+    """``new_state`` with every ``Groups``' ``rest`` state taken from ``old_state``: an update
+    that trained only the ``apart`` entry leaves the others' moments and count where they
+    were."""
+    if isinstance(new_state, Groups):
+        return new_state._replace(rest=old_state.rest)
+    if isinstance(new_state, tuple) and not hasattr(new_state, "_fields"):
+        return tuple(keep_rest(n, o) for n, o in zip(new_state, old_state, strict=True))
+    return new_state
 
 
 def with_total_steps(opt_state, steps: int):

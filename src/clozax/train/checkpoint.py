@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from clozax.core import files
+from clozax.core import files, locks
 from clozax.train import distributed
 from clozax.train.layout import CHECKPOINT_DIR, DIGEST_DIR
 
@@ -74,7 +74,8 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, keep: int = 3, primary: bool = True,
                  read_only: bool = False):
-        self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+        self.run_dir = Path(run_dir).absolute()
+        self.directory = self.run_dir / CHECKPOINT_DIR
         self.digests = Path(run_dir).absolute() / DIGEST_DIR
         self.read_only = read_only
         self.writes = primary and not read_only
@@ -103,9 +104,13 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving ``state`` (a ``TrainState``) as step ``step``; returns once the arrays
-        are off the device. The previous save is finished first."""
+        are off the device. The previous save is finished first, and the run's lock is
+        checked before anything is written: a holder whose lock was taken over (its heartbeat
+        judged stale by a writer on another host) stops with ``LockLost``, one line, instead of
+        committing a step beside the new writer's."""
         assert not self.read_only, "a read-only checkpointer never saves"
         self.wait()
+        locks.check_held(self.run_dir)
         _silence_failed_save_echoes()  # a write failing in the background echoes at once
         try:
             self.manager.save(

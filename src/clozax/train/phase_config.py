@@ -125,6 +125,14 @@ def phase_names(phases: tuple[PhaseConfig, ...]) -> list[str]:
     return names
 
 
+def optimizer_apart(phases: tuple[PhaseConfig, ...]) -> str | None:
+    """The parameters whose optimizer state a run keeps apart (``core/optim.py``'s ``apart``):
+    the MLM head's (its top-level entry, ``"head"``) when a phase trains the head alone, so the
+    encoder's Adam moments and count stand still through that phase; None otherwise (one
+    state, as every run without such a phase has always had)."""
+    return "head" if any(p.trains == "head" for p in phases) else None
+
+
 def phase_masking(masking, phase: PhaseConfig):
     """The masking of ``phase``: the run's, with the phase's rate or ramp when it sets one."""
     if phase.rate is None:

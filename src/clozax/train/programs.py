@@ -17,6 +17,7 @@ from clozax.core.optim import make_optimizer
 from clozax.core.vocab import Vocabulary
 from clozax.data.loader import batch_rows, host_batch, stream_rows
 from clozax.train.config import RunConfig
+from clozax.train.phase_config import optimizer_apart
 from clozax.train.mesh import global_batch, process_rows
 from clozax.train.phases import (
     Plan,
@@ -46,7 +47,8 @@ class Programs:
         if segment.start not in self.compiled:
             seg_config = segment_config(config, segment)
             seg_optimizer, schedule = make_optimizer(seg_config.optim, config.train.steps,
-                                                     self.params, self.rate)
+                                                     self.params, self.rate,
+                                                     optimizer_apart(config.phases))
             self.compiled[segment.start] = jax.jit(
                 make_train_step(seg_config, self.vocab, segment.seq_len, seg_optimizer,
                                 schedule, self.mesh, mask_step_offset(config, segment),

@@ -33,6 +33,7 @@ from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train import distributed
 from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
+from clozax.train.phase_config import optimizer_apart
 from clozax.train.phases import model_at, trained_length_at
 
 
@@ -136,6 +137,14 @@ def check_compatible(run_dir: Path, config: config_lib.RunConfig, dataset,
         raise ValueError(
             f"run {run_dir} was trained with a different config ({'; '.join(diffs[:3])}); "
             "resume with the same settings or choose a new --out directory"
+        )
+    apart = optimizer_apart(config.phases)
+    if apart is not None and run.get("optimizer_apart") != apart:
+        raise ValueError(
+            f"run {run_dir} has a phase that trains the MLM head alone and was saved before "
+            "clozax kept the head's Adam state apart from the encoder's (its checkpoints hold "
+            "one state for both, which scaled the encoder's first updates after the phase); "
+            "it cannot resume with this version: train it again with a new --out"
         )
     if run["tokenizer_sha256"] != dataset.tokenizer_sha256:
         raise ValueError(
@@ -253,7 +262,8 @@ def abstract_state(config: config_lib.RunConfig):
     sharding to restore onto a different topology.
     """
     params = jax.eval_shape(lambda: model_lib.init(config.model, jax.random.key(0)))
-    optimizer, _ = make_optimizer(config.optim, config.train.steps, params)
+    optimizer, _ = make_optimizer(config.optim, config.train.steps, params,
+                                  apart=optimizer_apart(config.phases))
     opt_state = jax.eval_shape(optimizer.init, params)
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state)
     return ckpt.abstract_like(state, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))

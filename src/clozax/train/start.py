@@ -31,6 +31,7 @@ from clozax.train.evaluation import Evaluator
 from clozax.train.interrupts import Interrupts
 from clozax.train.mesh import make_mesh, place, state_shardings
 from clozax.train.observe import TrainLog
+from clozax.train.phase_config import optimizer_apart
 from clozax.train.phases import Plan, make_plan, run_records, segment_config
 from clozax.train.programs import BatchSource, Programs
 from clozax.train.run_dir import (
@@ -110,7 +111,8 @@ def init_state(run: Run, config: RunConfig) -> tuple[TrainState, Programs, Batch
     if run.init_run is not None:
         params = jax.tree.map(jnp.asarray, run.init_run.params)
     rate = piecewise_rate(run.plan.pieces) if run.plan.phased else None
-    optimizer, _ = make_optimizer(config.optim, config.train.steps, params, rate)
+    optimizer, _ = make_optimizer(config.optim, config.train.steps, params, rate,
+                                  optimizer_apart(config.phases))
     state = new_state(params, optimizer)
     shardings = state_shardings(state, run.mesh, config.train.fsdp)
     state = place(state, shardings)
@@ -172,6 +174,9 @@ def write_run(run: Run, config: RunConfig, init_from, evaluator: Evaluator, buil
             "eval_seed": config.train.eval_seed,
             "init_from": str(Path(init_from).absolute()) if init_from else None,
             "attention": attention_record(config, run.plan),
+            # The head's optimizer state kept apart (a head-only phase): what a resume checks
+            **({"optimizer_apart": optimizer_apart(config.phases)}
+               if optimizer_apart(config.phases) else {}),
             **({"init_mlm_head": init_mlm_head(init_run)} if init_run else {}),
             **({"phases": run.phase_records,
                 "source_trained_length": init_run.trained_length if init_run else 0}

@@ -6,7 +6,9 @@ at the static number of selected slots, and the loss numerator and selected coun
 microbatches (and, through the global-array semantics of ``jit`` over a device mesh, over
 devices) before one division. A step that trains the MLM head alone (a phase's ``trains =
 "head"``) stops the gradient at the encoder's parameters and zeroes their updates, weight decay
-included, so the encoder stays bitwise as it was and its backward pass is not computed.
+included, so the encoder stays bitwise as it was and its backward pass is not computed; the
+encoder's optimizer state (kept apart from the head's, ``core/optim.py``) is held too, so its
+first updates after the phase are a fresh Adam's, not scaled by a count of steps it never took.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from clozax.core import model as model_lib
 from clozax.core.masker import make_masker
 from clozax.core.objective import masked_nll
+from clozax.core.optim import keep_rest
 from clozax.core.train_state import TrainState
 from clozax.core.vocab import Vocabulary
 from clozax.train.config import RunConfig
@@ -116,8 +119,9 @@ def make_train_step(config: RunConfig, vocab: Vocabulary, seq_len: int, optimize
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        if trains == "head":  # the encoder's updates are its weight decay alone: none of it
-            updates = hold_encoder(updates, jnp.zeros_like)
+        if trains == "head":  # the encoder's updates are its weight decay alone: none of it,
+            updates = hold_encoder(updates, jnp.zeros_like)  # and its moments and count stay
+            opt_state = keep_rest(opt_state, state.opt_state)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {
