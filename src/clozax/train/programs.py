@@ -17,8 +17,8 @@ from clozax.core.optim import make_optimizer
 from clozax.core.vocab import Vocabulary
 from clozax.data.loader import batch_rows, host_batch, stream_rows
 from clozax.train.config import RunConfig
-from clozax.train.phase_config import optimizer_apart
 from clozax.train.mesh import global_batch, process_rows
+from clozax.train.phase_config import optimizer_apart
 from clozax.train.phases import (
     Plan,
     Segment,
