@@ -104,10 +104,8 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving ``state`` (a ``TrainState``) as step ``step``; returns once the arrays
-        are off the device. The previous save is finished first, and the run's lock is
-        checked before anything is written: a holder whose lock was taken over (its heartbeat
-        judged stale by a writer on another host) stops with ``LockLost``, one line, instead of
-        committing a step beside the new writer's."""
+        are off the device. The previous save is finished first; a holder whose lock was
+        taken over stops here (``LockLost``, one line), before writing beside the new one."""
         assert not self.read_only, "a read-only checkpointer never saves"
         self.wait()
         locks.check_held(self.run_dir)
