@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from clozax.data.bm25 import bm25_run
 from clozax.judge.retrieval import metrics, search
 from clozax.judge.retrieval.beir import read_beir
-from clozax.judge.retrieval.bm25 import bm25_run
 
 pytestmark = pytest.mark.fast
 

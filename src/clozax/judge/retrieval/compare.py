@@ -1,6 +1,6 @@
 """``clozax retrieval RUN``: retrieval scored side by side, on the same queries.
 
-Rows: BM25 (``judge/retrieval/bm25.py``); the encoder as pretrained ("raw": the
+Rows: BM25 (``data/bm25.py``); the encoder as pretrained ("raw": the
 stage's pooling, no stage); the random-init encoder through the contrastive stage; the trained
 encoder through the same stage — the last two once per seed (the stage's seed: its pairs' order, its
 dropout and, for the control, the initialisation), compared as a mean difference with its 95 %
@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from clozax.core import files
+from clozax.data.bm25 import bm25_run
 from clozax.data.pairs import tokenize
 from clozax.data.tokenizer import load_tokenizer
 from clozax.judge.claims import seed_difference
 from clozax.judge.retrieval import metrics as metrics_lib
 from clozax.judge.retrieval.beir import RetrievalSet, read_beir
-from clozax.judge.retrieval.bm25 import bm25_run
 from clozax.judge.retrieval.heldout_set import heldout_set
 from clozax.judge.retrieval.search import as_run, blocks, top_k
 from clozax.train.contrastive.stage import StageSettings, train_in_memory

@@ -1,5 +1,5 @@
-"""The BM25 baseline of ``clozax retrieval``: a lexical ranking of the same documents for the
-same queries, from ``bm25s``.
+"""BM25 from ``bm25s``: the lexical ranking behind ``clozax retrieval``'s baseline (the same
+documents for the same queries) and ``clozax embed``'s hard negatives (``data/negatives.py``).
 
 A query's ranking holds only the documents that match it (score > 0), as a search engine's
 BM25 (BEIR's Elasticsearch baseline) returns them: ``bm25s`` fills a top k past the matches with
