@@ -130,7 +130,7 @@ def test_a_stopped_stage_resumes_to_the_same_bits_as_one_without_a_stop(tiny_run
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     stage = a.info["stage"]
     assert stage["source_run"] == str(tiny_run.absolute()) and stage["pair_count"] > 8
-    assert stage["pairs_source"].endswith("(train split)") and not a.info["has_mlm_head"]
+    assert "(train split)" in stage["pairs_source"] and not a.info["has_mlm_head"]
     source = load_run(tiny_run).params["embeddings"]["word"]
     assert not np.array_equal(np.asarray(source), np.asarray(a.params["embeddings"]["word"]))
     # the same --out with other settings is refused, nothing trained
@@ -484,3 +484,99 @@ def test_a_minutes_stage_warms_up_over_a_tenth_of_its_chosen_length_and_retrieva
     assert len(losses) == 140
     for x, y in zip(params(retrained), params(stage.params), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def _checkpointed_params(out) -> dict:
+    """Every checkpoint of run ``out``: ``{step: params}``."""
+    from clozax.train import checkpoint as ckpt
+    from clozax.train.run_dir import abstract_state, read_config
+
+    checkpointer = ckpt.Checkpointer(out)
+    try:
+        abstract = abstract_state(read_config(out)[0])
+        return {step: checkpointer.restore(step, abstract, params_only=True)[0].params
+                for step in checkpointer.all_steps()}
+    finally:
+        checkpointer.close()
+
+
+def test_a_stage_checks_every_step_before_it_saves_so_no_checkpoint_holds_a_diverged_model(
+        tiny_run, tmp_path):
+    """A learning rate that diverges within 3 updates, saves every 3 updates and a log line
+    every 10: the steps since the last check are all checked at the save of step 3, so the
+    stage stops at the first non-finite step in one line and no checkpoint holds a non-finite
+    parameter (the stage used to check only the logged step, and saved step 3 unchecked)."""
+    out = tmp_path / "emb"
+    settings = StageSettings(**{**STAGE, "steps": 8}, learning_rate=1e30, save_every=3)
+    with pytest.raises(ValueError, match="contrastive stage diverged at step") as raised:
+        embed(tiny_run, out, settings, say=lambda _: None)
+    message = str(raised.value)
+    assert "\n" not in message and "lower --learning-rate" in message
+    diverged = int(message.split("diverged at step ")[1].split()[0])
+    assert diverged <= 3  # before the first save: the old loop saved it
+    saved = _checkpointed_params(out)
+    assert all(step < diverged for step in saved)
+    for step, params in saved.items():
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params)), step
+
+
+def test_a_stage_saves_every_save_every_minutes_as_pretraining_does(tiny_run, tmp_path):
+    """``save_every_minutes`` (here: always overdue) saves after every update, beside the
+    ``save_every`` cadence (100, never reached in 4 updates)."""
+    out = tmp_path / "emb"
+    embed(tiny_run, out, StageSettings(**STAGE, save_every_minutes=1e-9), say=lambda _: None)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "checkpoint_seconds" in r] == [1, 2, 3, 4]
+
+
+def test_a_stage_log_line_carries_the_pace_fields_a_pretraining_log_line_carries(tiny_run,
+                                                                                 tmp_path):
+    """tokens/s, the data wait, the ETA and the elapsed time (and MFU where the peak is known):
+    the fields of the pretraining run's own log lines, less the MLM's (tokens seen, positions
+    selected, the held-out evaluation); tokens/s counts every side's rows of the batch."""
+    def lines(run_dir):
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if '"lr"' in x]
+
+    embed(tiny_run, tmp_path / "emb", StageSettings(**STAGE), say=lambda _: None)
+    mlm = lines(tiny_run)[-1]
+    stage = lines(tmp_path / "emb")[-1]
+    assert stage["step"] == 4
+    mlm_only = {"tokens", "selected", "eval", "eval_seconds"}  # the stage evaluates nothing
+    assert set(mlm) - mlm_only <= set(stage), set(mlm) - set(stage)
+    assert stage["tokens_per_s"] > 0 and 0 <= stage["data_wait_share"] <= 1
+
+
+def test_a_run_replaced_at_the_same_path_gets_its_own_pairs_not_the_cached_ones(
+        tiny_run, stdlib_data, tmp_path):
+    """The process keeps the last pair rows it made (``clozax retrieval`` asks twice per
+    seed), keyed by what makes them — the tokenizer's bytes, the dataset's fingerprint, the
+    settings — not by the run's path and step: a run at the same path and step trained on
+    other data (another vocabulary) gets its own rows."""
+    import shutil
+
+    from clozax.data import prepare
+    from clozax.train import config as config_lib
+    from clozax.train import loop as train_lib
+    from clozax.train.contrastive.stage import pair_rows
+    from conftest import TINY_OVERRIDES
+
+    other_data, other_run = tmp_path / "data512", tmp_path / "other"
+    prepare(other_data, corpus="stdlib", vocab_size=512, seq_len=64, quiet=True)
+    train_lib.train(other_data, other_run, config_lib.resolve(preset="tiny",
+                                                              overrides=TINY_OVERRIDES))
+    settings = StageSettings(**STAGE)
+    here = tmp_path / "run"
+    shutil.copytree(tiny_run, here)
+    first, _ = pair_rows(load_run(here), settings)
+    shutil.rmtree(here)
+    shutil.copytree(other_run, here)
+    replaced = load_run(here)
+    assert replaced.step == load_run(tiny_run).step
+    again, source = pair_rows(replaced, settings)
+    own, own_source = pair_rows(load_run(other_run), settings)
+    assert source == own_source and str(other_data) in source
+    assert sorted(again) == sorted(own)
+    for side in own:
+        np.testing.assert_array_equal(again[side], own[side])
+    assert not all(np.array_equal(first[s], own[s]) for s in own if s in first)

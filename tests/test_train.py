@@ -505,14 +505,16 @@ def test_optimised_step_keeps_the_plain_steps_loss_trajectory(stdlib_data, monke
 def test_the_loop_reads_the_device_only_at_sync_points(stdlib_data, tmp_path, monkeypatch):
     """No per-step host read: the step runs under a transfer guard that forbids implicit
     device→host copies, and metrics are fetched once per log/eval/save point."""
+    from clozax.train import drive
+
     fetched = []
-    real = train_lib._fetch
+    real = drive._fetch
 
     def counting(pending):
         fetched.append(len(pending))
         return real(pending)
 
-    monkeypatch.setattr(train_lib, "_fetch", counting)
+    monkeypatch.setattr(drive, "_fetch", counting)
     cfg = _cfg("train.steps=8", "train.log_every=4", "train.eval_every=8", "train.save_every=8")
     result = train_lib.train(stdlib_data, tmp_path / "run", cfg)
     assert result.steps == 8 and fetched == [4, 4]  # two reads for eight steps

@@ -30,6 +30,13 @@ MaxPairs = Annotated[int | None, Opt(help="At most this many corpus pairs (a key
                                           "sample).")]
 
 
+Negatives = Annotated[str, Opt(help="'bm25': a hard negative per corpus pair, mined by BM25 "
+                                    "from the pairs' own positives (recorded in "
+                                    "OUT/negatives.jsonl); 'none': in-batch negatives only.")]
+NegativesSkip = Annotated[int, Opt(help="With --negatives bm25: BM25's best-ranked documents "
+                                        "passed over as likely positives.")]
+
+
 def embed(
     run: Annotated[Path, typer.Argument(help="Run directory (clozax train or import-hf).")],
     out: Annotated[Path, Opt(help="The stage's run directory (new, or one to resume).")],
@@ -42,7 +49,12 @@ def embed(
     batch_size: BatchSize = 64, chunks: Chunks = 1, temperature: Temperature = 0.05,
     learning_rate: LearningRate = 1e-4, symmetric: Symmetric = False,
     pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,
-    max_pairs: MaxPairs = None,
+    max_pairs: MaxPairs = None, negatives: Negatives = "none", negatives_skip: NegativesSkip = 3,
+    save_every: Annotated[int, Opt(help="A checkpoint every this many updates (and at the "
+                                        "end).")] = 100,
+    save_every_minutes: Annotated[float | None, Opt(help="Also a checkpoint when this many "
+                                                         "minutes have passed since the "
+                                                         "last.")] = None,
 ):
     """Turn an encoder into an embedder: a contrastive stage (InfoNCE, in-batch negatives).
 
@@ -59,7 +71,9 @@ def embed(
     settings = StageSettings(pairs=pairs, steps=steps, minutes=minutes, batch_size=batch_size,
                              chunks=chunks, temperature=temperature,
                              learning_rate=learning_rate, symmetric=symmetric, pooling=pooling,
-                             seq_len=seq_len, dropout=dropout, seed=seed, max_pairs=max_pairs)
+                             seq_len=seq_len, dropout=dropout, seed=seed, max_pairs=max_pairs,
+                             negatives=negatives, negatives_skip=negatives_skip,
+                             save_every=save_every, save_every_minutes=save_every_minutes)
     result = run_stage(run, out, settings)
     if result["trained"]:
         print(f"trained {result['trained']} contrastive steps into {out}; final loss "
@@ -84,6 +98,7 @@ def retrieval(
     chunks: Chunks = 1, temperature: Temperature = 0.05, learning_rate: LearningRate = 1e-4,
     symmetric: Symmetric = False, pooling: Pooling = "mean", seq_len: SeqLen = 64,
     dropout: Dropout = 0.1, seed: Seed = 0, max_pairs: MaxPairs = None,
+    negatives: Negatives = "none", negatives_skip: NegativesSkip = 3,
 ):
     """Score retrieval: BM25, the raw encoder, and random-init vs trained through the stage."""
     from clozax.train import compile_cache
@@ -98,7 +113,8 @@ def retrieval(
     settings = StageSettings(pairs=pairs, steps=steps, batch_size=batch_size, chunks=chunks,
                              temperature=temperature, learning_rate=learning_rate,
                              symmetric=symmetric, pooling=pooling, seq_len=seq_len,
-                             dropout=dropout, seed=seed, max_pairs=max_pairs)
+                             dropout=dropout, seed=seed, max_pairs=max_pairs,
+                             negatives=negatives, negatives_skip=negatives_skip)
     result = retrieval_run(run, settings, seeds, beir, split, max_queries, out)
     for name, d in result["differences_ndcg@10"].items():
         print(f"nDCG@10 {name.replace('_', ' ')}: {difference_words(d)}")

@@ -146,10 +146,17 @@ def tokenize(tokenizer, texts: list[str], length: int, cls: int, sep: int,
              pad: int) -> np.ndarray:
     """``texts`` as ``[CLS] ids [SEP]`` rows [N, length] int32, cut to ``length`` and padded
     with ``pad`` (the mask is ``ids != pad``)."""
+    return tokenize_counting(tokenizer, texts, length, cls, sep, pad)[0]
+
+
+def tokenize_counting(tokenizer, texts: list[str], length: int, cls: int, sep: int,
+                      pad: int) -> tuple[np.ndarray, int]:
+    """``tokenize``'s rows, and how many of the texts were longer than a row and cut."""
     tokenizer.no_padding()
     tokenizer.no_truncation()
-    out = np.full((len(texts), length), pad, np.int32)
+    out, cut = np.full((len(texts), length), pad, np.int32), 0
     for i, encoding in enumerate(tokenizer.encode_batch(texts, add_special_tokens=False)):
         ids = [cls, *encoding.ids[:length - 2], sep]
+        cut += len(encoding.ids) > length - 2
         out[i, :len(ids)] = ids
-    return out
+    return out, cut

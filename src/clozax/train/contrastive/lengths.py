@@ -1,8 +1,8 @@
 """A ``--minutes`` contrastive stage's length: fixed before its first update from a few steps
-timed on a throwaway copy of the state, re-estimated at the budget's points as ``clozax train
---minutes`` does (``train/budget.py``), each choice recorded in ``config.json`` and ``run.json``'s
-``stage`` (what a resume and ``clozax retrieval`` replay), the schedule's warm-up a tenth of the
-length chosen."""
+timed on a throwaway copy of the state (``first_length``), re-estimated at the budget's points by
+the loop ``clozax train --minutes`` runs in (``train/drive.py``, ``train/budget.py``), each
+choice recorded in ``config.json`` and ``run.json``'s ``stage`` (``record_length``: what a
+resume and ``clozax retrieval`` replay), the schedule's warm-up a tenth of the length chosen."""
 
 from __future__ import annotations
 
@@ -38,11 +38,13 @@ def first_length(out, step_once, config, state, budget: Budget, start: int, log)
     del probe
     steps = start + distributed.broadcast(max(1, length))
     budget.mark(start)  # the loop's pace is measured from its own steps
-    config = _with_length(out, config, start, steps, log)
+    config = record_length(out, config, start, steps)
+    log.retotal(steps)
+    log.info(f"budget: at step {start} the stage ends at step {steps} (recorded in config.json)")
     return config, with_total_steps(state, steps)
 
 
-def _with_length(out, config, step: int, steps: int, log):
+def record_length(out, config, step: int, steps: int):
     """``config`` with the stage's length set to ``steps`` after ``step`` updates, recorded in
     ``config.json`` and ``run.json``'s ``stage`` (what ``clozax retrieval`` replays)."""
     train = config.train
@@ -56,23 +58,4 @@ def _with_length(out, config, step: int, steps: int, log):
         info = files.read_json(out / RUN_FILE)
         info["stage"]["budget_revisions"] = [list(r) for r in revisions]
         files.write_json(out / RUN_FILE, info, sort_keys=True)
-    log.retotal(steps)
-    log.info(f"budget: at step {step} the stage {'ends' if len(revisions) == 1 else 'now ends'}"
-             f" at step {steps} (recorded in config.json)")
     return config
-
-
-def budget_length(out, config, state, budget: Budget, step: int, end: int, stop_after, log):
-    """A ``--minutes`` stage's length re-estimated at the budget's points (``train/budget.py``,
-    as ``clozax train`` does) from the pace since the last estimate; process 0 decides for
-    all, each choice recorded (``_with_length``: a resume replays them at their steps) and set
-    as the schedule's total. Returns ``(config, state, end)``."""
-    jax.block_until_ready(state)  # the steps dispatched so far have run: the pace is real
-    steps = budget.revise(step, config.train.steps, math.inf, config.train.save_every)
-    steps = distributed.broadcast(-1 if steps is None else steps)
-    if steps < 0:
-        return config, state, end
-    config = _with_length(out, config, step, steps, log)
-    return config, with_total_steps(state, steps), steps if stop_after is None else min(steps,
-                                                                                   stop_after)
-

@@ -4,9 +4,13 @@ EMB is a run directory like any other (``config.json``, ``run.json``, ``tokenize
 ``checkpoints/``, ``metrics.jsonl``), so ``load_run``, ``clozax status``, ``clozax export
 --sentence-transformers`` and ``clozax retrieval`` read it; ``run.json``'s ``stage`` records
 the stage's settings, its source run and step, and the digest of its pairs. It is written
-under the run's lock, saves every ``save_every`` steps, stops on SIGTERM/SIGINT after saving
-the step it is at, and resumes bitwise: batch ``i`` is a pure function of ``(seed, i)`` (a
-keyed permutation of the pairs per epoch) and the dropout key is ``fold_in(key, step)``.
+under the run's lock and resumes bitwise: batch ``i`` is a pure function of ``(seed, i)`` (a
+keyed permutation of the pairs per epoch) and the dropout key is ``fold_in(key, step)``. It
+trains in the loop ``clozax train`` trains in (``train/drive.py``), handed the stage's job
+(``_StageJob``: its one program, its batches, no held-out evaluation): so every step is
+checked finite before anything of it is logged or saved, it saves every ``save_every`` steps
+and every ``save_every_minutes``, its log lines carry the pace (tokens/s, MFU, data wait,
+ETA), and SIGTERM/SIGINT saves the step it stops at. Its pairs as token rows: ``rows.py``.
 
 The stage's config is a ``RunConfig``: the source's model with the stage's dropout, AdamW at
 the stage's rate (``stage_rate``: linear warm-up over the first tenth of the stage's length,
@@ -37,26 +41,32 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from clozax.core import files, pattern
+from clozax.core import files, flops, pattern
 from clozax.core import model as model_lib
 from clozax.core.keys import Keys
 from clozax.core.optim import make_optimizer
 from clozax.core.pooling import POOLINGS
 from clozax.core.train_state import init_params, new_state, with_total_steps
-from clozax.data import pairs as pairs_lib
-from clozax.data.tokenizer import load_tokenizer
+from clozax.data.negatives import SKIP
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train import distributed
 from clozax.train.budget import Budget
 from clozax.train.checks import check_choice, check_int, check_real
-from clozax.train.contrastive.lengths import budget_length, first_length
+from clozax.train.contrastive.lengths import first_length, record_length
+from clozax.train.contrastive.rows import mined_negatives, pair_rows
 from clozax.train.contrastive.step import make_embed_step, stage_rate
-from clozax.train.interrupts import Interrupted, Interrupts
+from clozax.train.drive import Job, Progress, drive
+from clozax.train.evaluation import TrainingDiverged
+from clozax.train.interrupts import Interrupts
 from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
 from clozax.train.mesh import from_host, make_mesh, place
 from clozax.train.observe import TrainLog
-from clozax.train.run_dir import LoadedRun, load_run, lock_run, open_run_dataset, read_config
+from clozax.train.run_dir import LoadedRun, load_run, lock_run, read_config
+
+SPEED_ONLY = ("chunks", "save_every", "save_every_minutes")  # a resume may change them
+NEGATIVES = ("none", "bm25")
+NEGATIVES_FILE = "negatives.jsonl"  # a bm25 stage's mined (query, positive, negative) triples
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,11 @@ class StageSettings:
     dropout: float = 0.1  # SimCSE's only noise; BERT's default
     seed: int = 0
     max_pairs: int | None = None  # a keyed sample of the corpus pairs
+    negatives: str = "none"  # "bm25": a hard negative per corpus pair, mined by BM25
+    negatives_skip: int = SKIP  # BM25's best-ranked passed over (likely positives)
     random_init: bool = False  # start from the source's architecture at init (the control)
+    save_every: int = 100  # a checkpoint every this many updates (and at the end)
+    save_every_minutes: float | None = None  # also when this much time has passed
     # A --minutes stage's lengths as its budget chose them, (after step, length), (0, L) first:
     # a re-training replays them (steps is then the last length).
     budget_revisions: tuple = ()
@@ -90,6 +104,10 @@ class StageSettings:
         check_int("steps", self.steps, 1)
         check_int("batch_size", self.batch_size, 2)
         check_int("chunks", self.chunks, 1)
+        check_int("save_every", self.save_every, 1)
+        if self.save_every_minutes is not None:
+            check_real("save_every_minutes", self.save_every_minutes, 0.0, math.inf,
+                       low_open=True, high_open=True)
         check_int("seq_len", self.seq_len, 4)
         check_int("seed", self.seed, 0, config_lib.SEED_LIMIT - 1)
         check_real("temperature", self.temperature, 0.0, math.inf, low_open=True,
@@ -98,6 +116,8 @@ class StageSettings:
                    high_open=True)
         check_real("dropout", self.dropout, 0.0, 1.0, high_open=True)
         check_choice("pooling", self.pooling, POOLINGS)
+        check_choice("negatives", self.negatives, NEGATIVES)
+        check_int("negatives_skip", self.negatives_skip, 0)
         if self.minutes is not None:
             check_real("minutes", self.minutes, 0.0, math.inf, low_open=True, high_open=True)
         if self.batch_size % self.chunks:
@@ -106,8 +126,9 @@ class StageSettings:
 
     def identity(self) -> dict:
         """The settings that make the numbers (a resume must keep them)."""
+        unset = ("negatives", "negatives_skip") if self.negatives == "none" else ()
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in ("chunks", "steps", "minutes", "budget_revisions")}
+                if k not in SPEED_ONLY + ("steps", "minutes", "budget_revisions") + unset}
 
 
 @dataclass
@@ -126,44 +147,6 @@ class Stage:
     specials: dict
 
 
-_LAST_ROWS: dict = {}  # the last pair rows made: a random-init control reuses its seed's
-
-
-def pair_rows(run: LoadedRun, settings: StageSettings) -> tuple[dict, str]:
-    """The stage's pairs as token rows ``{side: [N, L]}`` and where they came from; corpus
-    pairs from the run's *train* split only. ``clozax retrieval`` asks for the same pairs
-    twice per seed (the trained encoder and its control): the second time they are not
-    decoded and tokenized again."""
-    key = (str(run.path.absolute()), run.step, settings.pairs, settings.seed,
-           settings.max_pairs, settings.seq_len)
-    if key not in _LAST_ROWS or settings.pairs not in pairs_lib.KINDS:  # a file may change
-        _LAST_ROWS.clear()
-        _LAST_ROWS[key] = _make_pair_rows(run, settings)
-    rows, source = _LAST_ROWS[key]
-    if len(rows["query"]) < settings.batch_size:
-        raise ValueError(f"{source} gives {len(rows['query'])} pairs, fewer than --batch-size "
-                         f"{settings.batch_size}; lower --batch-size or give more pairs")
-    return rows, source
-
-
-def _make_pair_rows(run: LoadedRun, settings: StageSettings) -> tuple[dict, str]:
-    tokenizer = load_tokenizer(run.tokenizer_path)
-    if settings.pairs in pairs_lib.KINDS:
-        dataset = open_run_dataset(run)
-        found = pairs_lib.corpus_pairs(
-            pairs_lib.document_texts(dataset, "train", tokenizer), settings.pairs,
-            settings.seed, f"{dataset.path} (train split)", settings.max_pairs)
-    else:
-        found = pairs_lib.read_pair_file(Path(settings.pairs))
-    s = run.specials
-    texts = {"query": found.queries, "positive": found.positives}
-    if found.negatives is not None:
-        texts["negative"] = found.negatives
-    rows = {side: pairs_lib.tokenize(tokenizer, t, settings.seq_len, s["cls"], s["sep"],
-                                     s["pad"]) for side, t in texts.items()}
-    return rows, found.source
-
-
 def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -> Stage:
     """The stage's config, pairs and compiled step for ``steps`` updates."""
     run.check_length(settings.seq_len, "--seq-len")
@@ -175,7 +158,9 @@ def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -
                                    weight_decay=0.01, b2=0.999, eps=1e-8)
     train = config_lib.TrainConfig(steps=steps, batch_size=settings.batch_size,
                                    seed=settings.seed, microbatches=settings.chunks,
-                                   minutes=settings.minutes, eval_rows=None, eval_sample=None)
+                                   minutes=settings.minutes, eval_rows=None, eval_sample=None,
+                                   save_every=settings.save_every,
+                                   save_every_minutes=settings.save_every_minutes)
     config = config_lib.RunConfig(model=model, optim=optim, train=train)
     mesh = mesh or make_mesh(None)
     if settings.batch_size % mesh.devices.size:
@@ -237,11 +222,11 @@ def train_in_memory(run: LoadedRun, settings: StageSettings, mesh=None) -> tuple
         losses.append(metrics)
         if i + 1 in lengths:
             state = with_total_steps(state, lengths[i + 1])
-    losses = [float(m["loss"]) for m in jax.device_get(losses)]
-    if not all(math.isfinite(x) for x in losses):
-        raise ValueError("the contrastive stage diverged (a non-finite loss); lower "
-                         "--learning-rate")
-    return state.params, losses
+    fetched = jax.device_get(losses)
+    for step, m in enumerate(fetched, 1):
+        if not bool(m["finite"]):
+            raise TrainingDiverged(_diverged(step))
+    return state.params, [float(m["loss"]) for m in fetched]
 
 
 def _start_params(run: LoadedRun, settings: StageSettings):
@@ -268,11 +253,13 @@ def embed(source: Path, out: Path, settings: StageSettings, say=print,
         info = _identity(run, source, stage)
         if existing:
             _check_same(out, info)
-            stage.config = saved  # its length as fixed (--minutes) and recorded
+            stage.config = saved.replace(train=dataclasses.replace(  # its length as fixed and
+                saved.train, save_every=settings.save_every,  # recorded, this command's saves
+                save_every_minutes=settings.save_every_minutes))
         else:
             _write_new(out, run, stage, info)
         with Interrupts(jax.process_count(), early_exit=True) as interrupts:
-            return _loop(out, run, stage, interrupts, stop_after, started, say)
+            return _train(out, run, stage, interrupts, stop_after, started, say)
 
 
 def _identity(run: LoadedRun, source: Path, stage: Stage) -> dict:
@@ -286,7 +273,8 @@ def _check_same(out: Path, info: dict) -> None:
     if recorded is None:
         raise ValueError(f"{out} is a clozax run but not a contrastive stage; choose a new "
                          "--out")
-    differ = sorted(k for k in info if recorded.get(k) != info[k])
+    keys = set(info) | (set(recorded) & {"negatives", "negatives_skip"})  # set when not "none"
+    differ = sorted(k for k in keys if recorded.get(k) != info.get(k))
     if differ:
         raise ValueError(f"{out} is a stage with other settings ({', '.join(differ)} differ); "
                          "rerun it with its own settings, or choose a new --out")
@@ -311,12 +299,18 @@ def _write_new(out: Path, run: LoadedRun, stage: Stage, info: dict) -> None:
         "trained_length": run.trained_length, "has_mlm_head": False, "stage": info},
         sort_keys=True)
     files.write_json(out / CONFIG_FILE, stage.config.to_dict(), sort_keys=True)
+    mined = mined_negatives(run, stage.settings)
+    if mined is not None:  # what BM25 chose, to read beside the run
+        files.write_jsonl(out / NEGATIVES_FILE, (
+            {"query": q, "positive": p, "negative": n, "bm25_rank": rank}
+            for q, p, n, (_, _, rank) in zip(mined.pairs.queries, mined.pairs.positives,
+                                             mined.pairs.negatives, mined.records, strict=True)))
 
 
-def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_after,
-          started: float, say) -> dict:
-    """Restore (or start), fix a ``--minutes`` stage's length, then step, log and save until
-    the stage's length."""
+def _train(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_after,
+           started: float, say) -> dict:
+    """Restore (or start), fix a ``--minutes`` stage's length, say what trains, then the loop
+    (``train/drive.py``) with the stage's job; returns the summary."""
     config, s = stage.config, stage.settings
     state, _ = compile_step(stage, _start_params(run, s))
     checkpointer = ckpt.Checkpointer(out, keep=config.train.keep_checkpoints,
@@ -327,66 +321,64 @@ def _loop(out: Path, run: LoadedRun, stage: Stage, interrupts: Interrupts, stop_
     if restored is not None:
         state = restored[0]
         log.forget_after(start)
-    else:  # the length in effect at step 0 (a --minutes stage's first choice)
-        state = with_total_steps(state, config_lib.schedule_length(config.train, 0))
+    # the length in effect from here (a --minutes stage's choice, or a re-estimate of it)
+    state = with_total_steps(state, config_lib.schedule_length(config.train, start))
     budget = None
     if config.train.minutes is not None:  # a new --minutes stage (a resume keeps its lengths)
         budget = Budget(config.train.minutes, started)
         config, state = first_length(
             out, lambda probe: stage.step_fn(probe, batch_at(stage, start), stage.key), config,
             state, budget, start, log)
-    end = config.train.steps if stop_after is None else min(config.train.steps, stop_after)
+    devices = stage.sharding.mesh.devices.size
     say(f"clozax embed: {len(stage.rows['query']):,} pairs ({stage.source}), batch "
         f"{s.batch_size} x {s.seq_len} tokens per side, {s.chunks} chunk(s), "
-        f"{jax.device_count()} device(s), attention "
+        f"{devices} device(s), attention "
         f"{pattern.attention_plan(config.model, s.seq_len).describe()}, "
         f"steps {start}->{config.train.steps}")
-    step, loss = start, math.nan
-    replay = dict(config.train.budget_revisions)  # a resume: the lengths its budget chose
-    try:
-        log.start(total=config.train.steps, completed=start)
-        while step < end:
-            state, metrics = stage.step_fn(state, batch_at(stage, step), stage.key)
-            step += 1
-            if step == start + 1:
-                jax.block_until_ready(metrics)
-                interrupts.arm()
-            if step in replay:  # a recorded budget choice: the same step, the same length
-                state = with_total_steps(state, replay[step])
-            stopping = interrupts.reached(step)
-            if step % config.train.log_every == 0 or step == end or stopping:
-                loss = _record(log, jax.device_get(metrics), step, started)
-            if budget is not None and step % config.train.log_every == 0:
-                config, state, end = budget_length(out, config, state, budget, step, end,
-                                                    stop_after, log)
-            if step % config.train.save_every == 0 or step == end or stopping:
-                saving = time.perf_counter()
-                checkpointer.save(step, state, {"stage": True})
-                if budget is not None:
-                    budget.spent_outside(time.perf_counter() - saving)
-            if stopping:
-                checkpointer.wait()
-                raise Interrupted(interrupts.signal_name, step, out)
-        checkpointer.wait()
-    finally:
-        for close in (log.stop, checkpointer.close):
-            try:
-                close()
-            except Exception:  # noqa: BLE001
-                pass
-    if budget is not None:
-        say(budget.summary())
-    return {"run": str(out), "steps": step, "trained": step - start, "loss": loss,
+    peak = flops.peak_flops(jax.devices()[0].device_kind, config.model.compute_dtype, devices,
+                            config.train.peak_tflops)[0]
+    job = _StageJob(out, log, interrupts, checkpointer, started, peak, budget, stop_after,
+                    stage)
+    progress = Progress(config, state)
+    del state  # the loop's from here: no reference here keeps a donated step's state alive
+    step = drive(job, progress, start)
+    return {"run": str(out), "steps": step, "trained": step - start, "loss": progress.loss,
             "pairs": len(stage.rows["query"]), "source": stage.source}
 
 
-def _record(log: TrainLog, metrics: dict, step: int, started: float) -> float:
-    if not bool(metrics["finite"]):
-        raise ValueError(f"the contrastive stage diverged at step {step} (a non-finite loss "
-                         "or gradient); nothing of it was saved — lower --learning-rate")
-    record = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-              "grad_norm": float(metrics["grad_norm"]),
-              "elapsed_s": round(time.perf_counter() - started, 2)}
-    log.metrics(record)
-    log.advance(step, record["loss"])
-    return record["loss"]
+@dataclass
+class _StageJob(Job):
+    """The stage as the loop runs it: one program (the contrastive step), the pairs' batches,
+    no held-out evaluation; a --minutes re-estimate recorded as ``lengths.py`` records it."""
+
+    stage: Stage
+
+    saves_at_stop_after = True  # a stage stopped early resumes from there (tests)
+
+    def step(self, config, i: int, state, batch):
+        return self.stage.step_fn(state, batch, self.stage.key)
+
+    def batch(self, i: int):
+        return batch_at(self.stage, i)
+
+    def pace_shape(self, config, i: int) -> tuple[int, float]:
+        """Every side's rows; the encoder's FLOPs per token, less the MLM head it has not."""
+        h, v, n = config.model.hidden, config.model.vocab_size, self.stage.settings.seq_len
+        return (len(self.stage.rows) * self.stage.settings.batch_size * n,
+                flops.model_flops_per_token(config.model, n) - 3 * 2 * (h * h + h * v))
+
+    def check(self, pending: list, fetched: list) -> None:
+        for (step, _), m in zip(pending, fetched, strict=True):
+            if not bool(m["finite"]):
+                raise TrainingDiverged(_diverged(step))
+
+    def checkpoint_meta(self, config) -> dict:
+        return {"stage": True}
+
+    def record_length(self, config, step: int, steps: int):
+        return record_length(self.run_dir, config, step, steps)
+
+
+def _diverged(step: int) -> str:
+    return (f"the contrastive stage diverged at step {step} (a non-finite loss, gradient or "
+            "updated parameters); nothing of it was saved — lower --learning-rate")

@@ -33,6 +33,7 @@ import optax
 from clozax.core import model as model_lib
 from clozax.core.pooling import pool
 from clozax.core.train_state import TrainState
+from clozax.train.step import all_finite
 
 SIDES = ("query", "positive", "negative")
 
@@ -162,7 +163,8 @@ def make_embed_step(model_config, optimizer, schedule, pooling: str, temperature
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": total / denom, "grad_norm": grad_norm,
                    "lr": schedule(state.opt_state),
-                   "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm)}
+                   # the updated parameters too (an overflow): none may reach a checkpoint
+                   "finite": jnp.isfinite(total) & jnp.isfinite(grad_norm) & all_finite(params)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step

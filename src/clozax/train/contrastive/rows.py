@@ -1,0 +1,97 @@
+"""The contrastive stage's pairs as token rows ``{side: [N, L]}``: corpus pairs from the run's
+*train* split (``data/pairs.py``) or a JSONL file's, tokenized with the run's tokenizer.
+
+``clozax retrieval`` asks for the same rows twice per seed (the trained encoder and its
+random-init control), so the last rows made are kept for the process, keyed by what makes
+them — the run's tokenizer (its file's sha256), its dataset (the fingerprint ``run.json``
+records, which ``open_run_dataset`` holds the dataset to), its special ids and the settings
+that shape the rows — never by where the run is: a run replaced at the same path by another
+gets its own rows. A pair file is read again every time (it may have changed).
+
+``negatives="bm25"`` adds a hard negative to each corpus pair, mined by BM25 from the pairs'
+own positives (``data/negatives.py``: the query's own positive, copies of it and the
+``negatives_skip`` best-ranked passed over; a pair without one dropped, counted); a pair
+file's own negatives equal to their positive (or query) are dropped, counted. What was mined,
+dropped and cut to the row length is said in the rows' ``source`` (the stage's header line and
+``run.json``'s ``pairs_source``), and ``mined_negatives`` gives the mined triples to record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from clozax.data import pairs as pairs_lib
+from clozax.data.negatives import Mined, drop_equal_negatives, mine_bm25
+from clozax.data.tokenizer import load_tokenizer
+from clozax.train.run_dir import LoadedRun, open_run_dataset
+
+_LAST_ROWS: dict = {}  # content key -> (rows, source, mined): the last pair rows made
+
+
+def pair_rows(run: LoadedRun, settings) -> tuple[dict, str]:
+    """The stage's pairs as token rows ``{side: [N, L]}`` and where they came from, for
+    ``settings`` (a ``StageSettings``); refused in one line when they are fewer than a batch."""
+    key = _content_key(run, settings)
+    if key not in _LAST_ROWS or settings.pairs not in pairs_lib.KINDS:  # a file may change
+        _LAST_ROWS.clear()
+        _LAST_ROWS[key] = _make_pair_rows(run, settings)
+    rows, source, _ = _LAST_ROWS[key]
+    if len(rows["query"]) < settings.batch_size:
+        raise ValueError(f"{source} gives {len(rows['query'])} pairs, fewer than --batch-size "
+                         f"{settings.batch_size}; lower --batch-size or give more pairs")
+    return rows, source
+
+
+def mined_negatives(run: LoadedRun, settings) -> Mined | None:
+    """The hard negatives BM25 mined for ``settings``' rows (None without ``negatives``)."""
+    pair_rows(run, settings)
+    return _LAST_ROWS[_content_key(run, settings)][2]
+
+
+def _content_key(run: LoadedRun, settings) -> tuple:
+    """What the rows are a function of: the tokenizer's bytes, the dataset's fingerprint, the
+    special ids, and the pair kind, seed, sample size and row length (and the dataset's
+    directory, which the rows' ``source`` names)."""
+    tokenizer = hashlib.sha256(run.tokenizer_path.read_bytes()).hexdigest()
+    return (tokenizer, run.info.get("dataset_fingerprint"), run.info.get("dataset"),
+            tuple(sorted(run.specials.items())), settings.pairs, settings.seed,
+            settings.max_pairs, settings.seq_len, settings.negatives, settings.negatives_skip)
+
+
+def _make_pair_rows(run: LoadedRun, settings) -> tuple[dict, str]:
+    tokenizer = load_tokenizer(run.tokenizer_path)
+    if settings.pairs in pairs_lib.KINDS:
+        dataset = open_run_dataset(run)
+        found = pairs_lib.corpus_pairs(
+            pairs_lib.document_texts(dataset, "train", tokenizer), settings.pairs,
+            settings.seed, f"{dataset.path} (train split)", settings.max_pairs)
+    else:
+        found = pairs_lib.read_pair_file(Path(settings.pairs))
+    found, mined, notes = _with_negatives(found, settings)
+    s = run.specials
+    texts = {"query": found.queries, "positive": found.positives}
+    if found.negatives is not None:
+        texts["negative"] = found.negatives
+    rows, cut = {}, 0
+    for side, t in texts.items():
+        rows[side], n = pairs_lib.tokenize_counting(tokenizer, t, settings.seq_len, s["cls"],
+                                                    s["sep"], s["pad"])
+        cut += n
+    if cut:
+        notes.append(f"{cut:,} text(s) longer than --seq-len {settings.seq_len} cut to it")
+    return rows, "; ".join([found.source, *notes]), mined
+
+
+def _with_negatives(found: pairs_lib.Pairs, settings):
+    """``found`` with BM25's hard negatives (``negatives="bm25"``) or without a pair file's
+    negatives that equal their positive: ``(pairs, mined or None, notes)``."""
+    if settings.negatives == "bm25":
+        if found.negatives is not None:
+            raise ValueError(f"{found.source} gives its own negatives and --negatives bm25 "
+                             "would mine others; drop one of them")
+        mined = mine_bm25(found, settings.negatives_skip)
+        return mined.pairs, mined, [mined.describe()]
+    found, dropped = drop_equal_negatives(found)
+    return found, None, [f"{dropped:,} pair(s) whose negative equals its positive or query "
+                         "dropped"] if dropped else []

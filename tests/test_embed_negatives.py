@@ -1,0 +1,146 @@
+"""Hard negatives in the contrastive stage: mined by BM25 from the corpus pairs and recorded, a
+pair file's bad negatives counted, texts longer than a row counted, and across devices each
+anchor's positive stays its own (sentence-transformers shipped the opposite, PR #3442, fixed in
+#3453)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clozax.train.contrastive.stage import NEGATIVES_FILE, StageSettings
+from clozax.train.run_dir import load_run
+from commands import clozax, one_line_error
+from conftest import simulated_devices
+
+WORDS = ("socket parse thread gzip date pattern request random lock queue stream header "
+         "cookie seed zone match bytes worker string timeout").split()
+
+DEVICE_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from clozax.train.contrastive.stage import StageSettings, train_in_memory
+from clozax.train.mesh import make_mesh
+from clozax.train.run_dir import load_run
+run = load_run(sys.argv[1])
+res = {}
+for n, chunks in ((1, 1), (4, 1), (4, 2)):
+    s = StageSettings(pairs=sys.argv[2], steps=3, batch_size=8, seq_len=24, dropout=0.0,
+                      chunks=chunks, symmetric=True)
+    params, losses = train_in_memory(run, s, make_mesh(n))
+    res[f"{n}x{chunks}"] = {"losses": losses, "params": [
+        np.asarray(x).ravel()[:64].tolist() for x in jax.tree.leaves(params)]}
+print(json.dumps(res))
+"""
+
+
+def _pair_file(path, n=24):
+    rng = np.random.default_rng(0)
+    with path.open("w") as f:
+        for i in range(n):
+            q, p, neg = (" ".join(rng.choice(WORDS, size=6)) for _ in range(3))
+            f.write(json.dumps({"query": f"{q} {i}", "positive": f"{p} {i}",
+                                "negative": f"{neg} {i}"}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_hard_negatives_on_four_devices_train_the_one_device_stage(tiny_run, tmp_path):
+    """A stage with a hard-negative column, symmetric, on 4 simulated devices (and with the
+    gradient cache on top): the one-device losses and parameters, to rounding. The score
+    matrix is the global batch's [B, 2B] and query i's answer is positive i of the *global*
+    batch; had a device labelled its queries by local index among gathered columns (the
+    sentence-transformers bug), the losses would differ from the first step."""
+    pairs = _pair_file(tmp_path / "pairs.jsonl")
+    ran = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(tiny_run), str(pairs)],
+                         env=simulated_devices(4), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    res = json.loads(ran.stdout.strip().splitlines()[-1])
+    one = res["1x1"]
+    assert all(np.isfinite(one["losses"])) and one["losses"][0] > 0
+    for name in ("4x1", "4x2"):
+        np.testing.assert_allclose(res[name]["losses"], one["losses"], rtol=1e-4)
+        a, b = (np.concatenate([np.asarray(x) for x in r["params"]]) for r in (one, res[name]))
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+
+
+def test_the_loss_on_a_sharded_batch_with_negatives_is_the_global_formula():
+    """InfoNCE on unit vectors sharded over 4 devices (the stage's layout) equals NumPy's
+    global formula: query i's cross-entropy over all B positives and B negatives with answer
+    i, and (symmetric) positive i's over the B queries."""
+    code = r"""
+import json, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from clozax.train.contrastive.step import info_nce
+from clozax.train.mesh import make_mesh
+rng = np.random.default_rng(1)
+q, p, n = (rng.normal(size=(8, 5)).astype(np.float32) for _ in range(3))
+q, p, n = (x / np.linalg.norm(x, axis=1, keepdims=True) for x in (q, p, n))
+mesh = make_mesh(4)
+put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+total, count = jax.jit(lambda a, b, c: info_nce(a, b, c, 0.05, True))(put(q), put(p), put(n))
+def ce(s):
+    s = s - s.max(axis=1, keepdims=True)
+    return -(s - np.log(np.exp(s).sum(axis=1, keepdims=True)))[np.arange(8), np.arange(8)].sum()
+want = ce(q @ np.concatenate([p, n]).T / 0.05) + ce((q @ p.T / 0.05).T)
+print(json.dumps([float(total), int(count), float(want), len(jax.devices())]))
+"""
+    ran = subprocess.run([sys.executable, "-c", code], env=simulated_devices(4),
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    total, count, want, devices = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert devices == 4 and count == 16
+    np.testing.assert_allclose(total, want, rtol=1e-5)
+
+
+def test_a_bm25_stage_trains_on_mined_negatives_and_records_them(capsys, tiny_run, tmp_path):
+    """``--negatives bm25``: every corpus pair that BM25 finds a negative for trains with one
+    (another pair's positive, never its own), the triples are written beside the run, the
+    header and run.json say how many were mined and dropped, and a resume keeps the setting."""
+    out = tmp_path / "stage"
+    args = ["embed", tiny_run, "--out", out, "--steps", 2, "--batch-size", 8, "--seq-len", 24,
+            "--negatives", "bm25", "--negatives-skip", 1]
+    ran = clozax(capsys, *args)
+    assert ran.code == 0, ran
+    assert "BM25 hard negatives for" in ran.out + ran.err
+    stage = json.loads((out / "run.json").read_text())["stage"]
+    assert stage["negatives"] == "bm25" and stage["negatives_skip"] == 1
+    assert "BM25 hard negatives for" in stage["pairs_source"]
+    triples = [json.loads(line) for line in (out / NEGATIVES_FILE).read_text().splitlines()]
+    assert len(triples) == stage["pair_count"] >= 8
+    positives = {t["positive"] for t in triples}
+    assert all(t["negative"] != t["positive"] and t["bm25_rank"] >= 2 for t in triples)
+    assert sum(t["negative"] in positives for t in triples) >= len(triples) // 2
+    again = clozax(capsys, *args[:-4])  # the same stage without the setting: refused
+    assert again.code == 2 and "negatives" in again.err
+    same = clozax(capsys, *args)
+    assert same.code == 0 and "nothing trained" in same.out
+
+
+def test_a_pair_file_with_negatives_and_bm25_mining_is_one_line(capsys, tiny_run, tmp_path):
+    pairs = _pair_file(tmp_path / "pairs.jsonl")
+    line = one_line_error(capsys, "embed", tiny_run, "--out", tmp_path / "s", "--pairs", pairs,
+                          "--negatives", "bm25", "--steps", 1, "--batch-size", 8)
+    assert "gives its own negatives" in line and "drop one" in line
+    assert not (tmp_path / "s" / "checkpoints").exists()
+
+
+def test_negatives_equal_to_positives_and_texts_longer_than_a_row_are_counted(tiny_run,
+                                                                             tmp_path):
+    from clozax.train.contrastive.rows import pair_rows
+
+    path = _pair_file(tmp_path / "pairs.jsonl")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[0]["negative"] = lines[0]["positive"].upper()
+    lines[1]["query"] = " ".join(["socket"] * 200)  # longer than any row here
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows, source = pair_rows(load_run(tiny_run), StageSettings(pairs=str(path), batch_size=8,
+                                                               seq_len=16))
+    assert len(rows["query"]) == len(lines) - 1 and set(rows) == {"query", "positive",
+                                                                   "negative"}
+    assert "1 pair(s) whose negative equals its positive or query dropped" in source
+    assert "text(s) longer than --seq-len 16 cut to it" in source
