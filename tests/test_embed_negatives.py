@@ -144,3 +144,96 @@ def test_negatives_equal_to_positives_and_texts_longer_than_a_row_are_counted(ti
                                                                    "negative"}
     assert "1 pair(s) whose negative equals its positive or query dropped" in source
     assert "text(s) longer than --seq-len 16 cut to it" in source
+
+
+def _padded_and_packed(run, length=24):
+    """Three sides of 8 texts of 3 to 20 tokens: padded rows, and the same packed."""
+    import jax.numpy as jnp
+
+    from clozax.data.pairs import pack_texts
+
+    pad = run.specials["pad"]
+    rng = np.random.default_rng(2)
+    padded, packed = {}, {}
+    for side in ("query", "positive", "negative"):
+        rows = np.full((8, length), pad, np.int32)
+        for i in range(8):
+            n = int(rng.integers(3, 21))
+            rows[i, :n] = [run.specials["cls"], *rng.integers(5, 200, n - 2), run.specials["sep"]]
+        padded[side] = jnp.asarray(rows)
+        ids, segments, where = pack_texts(rows, pad, at_least=6)
+        assert ids.shape[0] < 8 or side != "query"  # short texts: fewer rows than texts
+        packed |= {side: jnp.asarray(ids), f"{side}_segments": jnp.asarray(segments),
+                   f"{side}_where": jnp.asarray(where)}
+    return padded, packed
+
+
+def test_the_packed_step_is_the_padded_step_in_loss_and_gradients(tiny_run):
+    """Texts of 3 to 20 tokens packed several to a row (each attending to itself alone, its
+    positions from 0, mean-pooled per segment) give the padded rows' loss and gradient to
+    1e-5, hard negatives and the symmetric loss included; in fewer rows than texts."""
+    import jax
+
+    from clozax.train.contrastive.step import make_loss_and_grads
+
+    run = load_run(tiny_run)
+    pad, pooling = run.specials["pad"], "mean"
+    padded, packed = _padded_and_packed(run)
+    model = run.config.model
+    key = jax.random.key(0)
+    a = make_loss_and_grads(model, pooling, 0.05, True, 1, pad)(run.params, padded, key)
+    b = make_loss_and_grads(model, pooling, 0.05, True, 1, pad, packed=True)(run.params, packed,
+                                                                             key)
+    assert int(a[1]) == int(b[1]) == 16
+    np.testing.assert_allclose(float(b[0]), float(a[0]), rtol=1e-5)
+    ga, gb = (np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(g)])
+              for g in (a[2], b[2]))
+    assert np.linalg.norm(gb - ga) <= 1e-5 * np.linalg.norm(ga)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_a_packed_text_embeds_as_it_does_alone_in_its_row(tiny_run, pooling):
+    """Each text's embedding from the packed rows is its padded row's, to 1e-5 (its first
+    token's state with ``cls``; the classic encoder's learned positions restart at each
+    text). The cls gradient is too small here (norm ~0.04) for its rounding to sit under 1e-5:
+    the gradient cache itself moves it by ~1e-3."""
+    import jax
+
+    from clozax.train.contrastive.step import make_embedder, make_packed_embedder
+
+    run = load_run(tiny_run)
+    padded, packed = _padded_and_packed(run)
+    model, pad = run.config.model, run.specials["pad"]
+    for side in padded:
+        ids = padded[side]
+        alone = jax.jit(make_embedder(model, pooling))(run.params, ids, ids != pad, None)
+        together = jax.jit(make_packed_embedder(model, pooling))(
+            run.params, packed[side], packed[f"{side}_segments"], packed[f"{side}_where"], None)
+        np.testing.assert_allclose(np.asarray(together), np.asarray(alone), atol=1e-5)
+
+
+def test_a_packed_stage_without_dropout_trains_the_unpacked_stage(tiny_run):
+    """``--pack`` with ``--dropout 0``: the same losses and parameters as the padded stage
+    (to rounding), hard negatives mined by BM25 included, in fewer rows per side."""
+    from clozax.train.contrastive.stage import make_stage, train_in_memory
+
+    run = load_run(tiny_run)
+    base = dict(steps=3, batch_size=8, seq_len=24, dropout=0.0, negatives="bm25",
+                negatives_skip=0)
+    plain, plain_losses = train_in_memory(run, StageSettings(**base))
+    packed, packed_losses = train_in_memory(run, StageSettings(**base, pack=True))
+    np.testing.assert_allclose(packed_losses, plain_losses, rtol=1e-4)
+    import jax
+
+    a, b = (np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(p)])
+            for p in (plain, packed))
+    assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+    stage = make_stage(run, StageSettings(**base, pack=True), 3)
+    assert stage.packed["query"] < 8  # first sentences: several to a 24-token row
+
+
+def test_pack_with_minutes_or_chunks_is_one_line(capsys, tiny_run, tmp_path):
+    line = one_line_error(capsys, "embed", tiny_run, "--out", tmp_path / "s", "--pack",
+                          "--minutes", 1)
+    assert "--pack" in line and "--steps" in line
+    assert not (tmp_path / "s").exists()

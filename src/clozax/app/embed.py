@@ -33,6 +33,9 @@ MaxPairs = Annotated[int | None, Opt(help="At most this many corpus pairs (a key
 Negatives = Annotated[str, Opt(help="'bm25': a hard negative per corpus pair, mined by BM25 "
                                     "from the pairs' own positives (recorded in "
                                     "OUT/negatives.jsonl); 'none': in-batch negatives only.")]
+Pack = Annotated[bool, Opt(help="Pack several texts into a row, each attending only to itself "
+                                 "(fewer rows when texts are short; with --dropout 0 the "
+                                 "unpacked stage's numbers). Needs --steps and --chunks 1.")]
 NegativesSkip = Annotated[int, Opt(help="With --negatives bm25: BM25's best-ranked documents "
                                         "passed over as likely positives.")]
 
@@ -50,6 +53,7 @@ def embed(
     learning_rate: LearningRate = 1e-4, symmetric: Symmetric = False,
     pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,
     max_pairs: MaxPairs = None, negatives: Negatives = "none", negatives_skip: NegativesSkip = 3,
+    pack: Pack = False,
     save_every: Annotated[int, Opt(help="A checkpoint every this many updates (and at the "
                                         "end).")] = 100,
     save_every_minutes: Annotated[float | None, Opt(help="Also a checkpoint when this many "
@@ -72,7 +76,7 @@ def embed(
                              chunks=chunks, temperature=temperature,
                              learning_rate=learning_rate, symmetric=symmetric, pooling=pooling,
                              seq_len=seq_len, dropout=dropout, seed=seed, max_pairs=max_pairs,
-                             negatives=negatives, negatives_skip=negatives_skip,
+                             negatives=negatives, negatives_skip=negatives_skip, pack=pack,
                              save_every=save_every, save_every_minutes=save_every_minutes)
     result = run_stage(run, out, settings)
     if result["trained"]:
@@ -98,7 +102,7 @@ def retrieval(
     chunks: Chunks = 1, temperature: Temperature = 0.05, learning_rate: LearningRate = 1e-4,
     symmetric: Symmetric = False, pooling: Pooling = "mean", seq_len: SeqLen = 64,
     dropout: Dropout = 0.1, seed: Seed = 0, max_pairs: MaxPairs = None,
-    negatives: Negatives = "none", negatives_skip: NegativesSkip = 3,
+    negatives: Negatives = "none", negatives_skip: NegativesSkip = 3, pack: Pack = False,
 ):
     """Score retrieval: BM25, the raw encoder, and random-init vs trained through the stage."""
     from clozax.train import compile_cache
@@ -114,7 +118,7 @@ def retrieval(
                              temperature=temperature, learning_rate=learning_rate,
                              symmetric=symmetric, pooling=pooling, seq_len=seq_len,
                              dropout=dropout, seed=seed, max_pairs=max_pairs,
-                             negatives=negatives, negatives_skip=negatives_skip)
+                             negatives=negatives, negatives_skip=negatives_skip, pack=pack)
     result = retrieval_run(run, settings, seeds, beir, split, max_queries, out)
     for name, d in result["differences_ndcg@10"].items():
         print(f"nDCG@10 {name.replace('_', ' ')}: {difference_words(d)}")

@@ -281,8 +281,9 @@ def apply(
 
     emb = params["embeddings"]
     x = emb["word"][inputs]  # (batch, seq, hidden) float32
-    if c.positions == "learned":
-        x = x + emb["position"][None, :seq]
+    if c.positions == "learned":  # restarting at every packed document's first token
+        x = x + (emb["position"][positions_lib.document_positions(segments)]
+                 if c.attention_within_segments else emb["position"][None, :seq])
     if c.embedding_norm:
         x = layers.layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
     stacked = pattern.fused_layers(params["layers"], c)

@@ -10,7 +10,10 @@ Positions: 0..seq-1 along each row, or, when a row packs several documents and a
 inside them (``model.attention_within_segments``), restarting at 0 at every document's first
 token. With attention inside documents the two give the same scores (only differences within a
 document matter); restarting keeps every document's angles what they are for that document
-alone, as ``transformers`` computes them for a single-document row.
+alone, as ``transformers`` computes them for a single-document row. Learned position
+embeddings (``model.positions="learned"``) are looked up at the same positions, so a document
+packed into a row gets the hidden states it gets alone in one (what lets the contrastive stage
+pack short texts; before, they were the row's positions, and a packed document's differed).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from clozax.core import files
+from clozax.data.packing import BestFitPacker, DocChunk
 from clozax.data.split import group_key
 
 KINDS = ("first-sentence", "simcse", "crops")
@@ -160,3 +161,28 @@ def tokenize_counting(tokenizer, texts: list[str], length: int, cls: int, sep: i
         cut += len(encoding.ids) > length - 2
         out[i, :len(ids)] = ids
     return out, cut
+
+
+def pack_texts(rows: np.ndarray, pad: int, at_least: int = 0) -> tuple[np.ndarray, ...]:
+    """Token rows [N, L] (``tokenize``'s: one text each, ``pad`` after it) packed several to a
+    row by ``data/packing.py``'s best fit: ``(ids [R, L], segments [R, L], where [N, 2])``,
+    text ``i`` as segment ``where[i, 1] + 1`` of row ``where[i, 0]``; ``R`` at least
+    ``at_least`` (the rows past those the texts fill hold one segment of padding each, so no
+    row is without a token to attend to)."""
+    n, length = rows.shape
+    lengths = (rows != pad).sum(axis=1)
+    emitted = []
+    packer = BestFitPacker(length, pad, emitted.append, window=max(n, 1))
+    for i in np.argsort(-lengths, kind="stable"):  # longest first: best fit decreasing
+        ids = rows[i, :lengths[i]].tolist()
+        packer.add(DocChunk(doc=int(i), chunk=0, ids=ids, word_starts=[True] * len(ids)))
+    packer.flush()
+    count = max(len(emitted), at_least)
+    ids = np.full((count, length), pad, np.int32)
+    segments = np.ones((count, length), np.int32)  # the padding rows' one segment
+    where = np.zeros((n, 2), np.int32)
+    for r, row in enumerate(emitted):
+        ids[r], segments[r] = row.tokens, row.segments
+        for doc, _, segment in row.placements:
+            where[doc] = (r, segment - 1)
+    return ids, segments, where

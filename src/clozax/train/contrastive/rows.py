@@ -14,12 +14,19 @@ own positives (``data/negatives.py``: the query's own positive, copies of it and
 file's own negatives equal to their positive (or query) are dropped, counted. What was mined,
 dropped and cut to the row length is said in the rows' ``source`` (the stage's header line and
 ``run.json``'s ``pairs_source``), and ``mined_negatives`` gives the mined triples to record.
+
+``pack=True`` (``packed_batch``): each side's texts of a batch packed several to a row
+(``data/pairs.py`` ``pack_texts``), into a number of rows fixed for the stage: the most any
+of its batches needs (``packed_counts``), so one program runs them all.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 from clozax.data import pairs as pairs_lib
 from clozax.data.negatives import Mined, drop_equal_negatives, mine_bm25
@@ -95,3 +102,24 @@ def _with_negatives(found: pairs_lib.Pairs, settings):
     found, dropped = drop_equal_negatives(found)
     return found, None, [f"{dropped:,} pair(s) whose negative equals its positive or query "
                          "dropped"] if dropped else []
+
+
+def packed_counts(rows: dict, batches: Iterable[np.ndarray], pad: int,
+                  multiple: int) -> dict[str, int]:
+    """Each side's packed row count for a stage whose batches (pair indices) are ``batches``:
+    the most any of them fills, rounded up to a ``multiple`` (the devices)."""
+    most = dict.fromkeys(rows, 1)
+    for chosen in batches:
+        for side, side_rows in rows.items():
+            most[side] = max(most[side], len(pairs_lib.pack_texts(side_rows[chosen], pad)[0]))
+    return {side: -(-n // multiple) * multiple for side, n in most.items()}
+
+
+def packed_batch(rows: dict, chosen: np.ndarray, pad: int, counts: dict) -> dict:
+    """The batch of pairs ``chosen``, each side packed into ``counts[side]`` rows: ``{side:
+    ids, side_segments: …, side_where: …}`` (``make_loss_and_grads(packed=True)``'s)."""
+    out = {}
+    for side, side_rows in rows.items():
+        ids, segments, where = pairs_lib.pack_texts(side_rows[chosen], pad, counts[side])
+        out |= {side: ids, f"{side}_segments": segments, f"{side}_where": where}
+    return out

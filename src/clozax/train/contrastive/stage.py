@@ -45,16 +45,19 @@ from clozax.core import files, flops, pattern
 from clozax.core import model as model_lib
 from clozax.core.keys import Keys
 from clozax.core.optim import make_optimizer
-from clozax.core.pooling import POOLINGS
 from clozax.core.train_state import init_params, new_state, with_total_steps
-from clozax.data.negatives import SKIP
 from clozax.train import checkpoint as ckpt
 from clozax.train import config as config_lib
 from clozax.train import distributed
 from clozax.train.budget import Budget
-from clozax.train.checks import check_choice, check_int, check_real
 from clozax.train.contrastive.lengths import first_length, record_length
-from clozax.train.contrastive.rows import mined_negatives, pair_rows
+from clozax.train.contrastive.rows import (
+    mined_negatives,
+    packed_batch,
+    packed_counts,
+    pair_rows,
+)
+from clozax.train.contrastive.settings import NEGATIVES_FILE, StageSettings
 from clozax.train.contrastive.step import make_embed_step, stage_rate
 from clozax.train.drive import Job, Progress, drive
 from clozax.train.evaluation import TrainingDiverged
@@ -63,72 +66,6 @@ from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
 from clozax.train.mesh import from_host, make_mesh, place
 from clozax.train.observe import TrainLog
 from clozax.train.run_dir import LoadedRun, load_run, lock_run, read_config
-
-SPEED_ONLY = ("chunks", "save_every", "save_every_minutes")  # a resume may change them
-NEGATIVES = ("none", "bm25")
-NEGATIVES_FILE = "negatives.jsonl"  # a bm25 stage's mined (query, positive, negative) triples
-
-
-@dataclass(frozen=True)
-class StageSettings:
-    """What a contrastive stage is; every field but ``chunks`` changes its numbers."""
-
-    pairs: str = "first-sentence"  # a kind of corpus pair (data/pairs.py) or a JSONL file
-    steps: int = 200
-    minutes: float | None = None  # if set, the length comes from the measured pace
-    batch_size: int = 64  # pairs per step: the in-batch negatives are the other 63
-    chunks: int = 1  # gradient-cache chunks (speed and memory only)
-    temperature: float = 0.05  # SimCSE's
-    learning_rate: float = 1e-4
-    symmetric: bool = False
-    pooling: str = "mean"
-    seq_len: int = 64  # tokens per text, [CLS] and [SEP] included
-    dropout: float = 0.1  # SimCSE's only noise; BERT's default
-    seed: int = 0
-    max_pairs: int | None = None  # a keyed sample of the corpus pairs
-    negatives: str = "none"  # "bm25": a hard negative per corpus pair, mined by BM25
-    negatives_skip: int = SKIP  # BM25's best-ranked passed over (likely positives)
-    random_init: bool = False  # start from the source's architecture at init (the control)
-    save_every: int = 100  # a checkpoint every this many updates (and at the end)
-    save_every_minutes: float | None = None  # also when this much time has passed
-    # A --minutes stage's lengths as its budget chose them, (after step, length), (0, L) first:
-    # a re-training replays them (steps is then the last length).
-    budget_revisions: tuple = ()
-
-    def __post_init__(self):
-        revisions = tuple(tuple(r) for r in self.budget_revisions)  # JSON gives lists
-        object.__setattr__(self, "budget_revisions", revisions)
-        for at, length in revisions:
-            check_int("budget_revisions step", at, 0)
-            check_int("budget_revisions length", length, max(at, 1))
-        check_int("steps", self.steps, 1)
-        check_int("batch_size", self.batch_size, 2)
-        check_int("chunks", self.chunks, 1)
-        check_int("save_every", self.save_every, 1)
-        if self.save_every_minutes is not None:
-            check_real("save_every_minutes", self.save_every_minutes, 0.0, math.inf,
-                       low_open=True, high_open=True)
-        check_int("seq_len", self.seq_len, 4)
-        check_int("seed", self.seed, 0, config_lib.SEED_LIMIT - 1)
-        check_real("temperature", self.temperature, 0.0, math.inf, low_open=True,
-                   high_open=True)
-        check_real("learning_rate", self.learning_rate, 0.0, math.inf, low_open=True,
-                   high_open=True)
-        check_real("dropout", self.dropout, 0.0, 1.0, high_open=True)
-        check_choice("pooling", self.pooling, POOLINGS)
-        check_choice("negatives", self.negatives, NEGATIVES)
-        check_int("negatives_skip", self.negatives_skip, 0)
-        if self.minutes is not None:
-            check_real("minutes", self.minutes, 0.0, math.inf, low_open=True, high_open=True)
-        if self.batch_size % self.chunks:
-            raise ValueError(f"--chunks {self.chunks} does not divide --batch-size "
-                             f"{self.batch_size}; choose a divisor")
-
-    def identity(self) -> dict:
-        """The settings that make the numbers (a resume must keep them)."""
-        unset = ("negatives", "negatives_skip") if self.negatives == "none" else ()
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if k not in SPEED_ONLY + ("steps", "minutes", "budget_revisions") + unset}
 
 
 @dataclass
@@ -145,6 +82,7 @@ class Stage:
     key: jax.Array
     settings: StageSettings
     specials: dict
+    packed: dict | None = None  # --pack: each side's packed rows per batch
 
 
 def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -> Stage:
@@ -166,8 +104,13 @@ def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -
     if settings.batch_size % mesh.devices.size:
         raise ValueError(f"--batch-size {settings.batch_size} is not a multiple of the "
                          f"{mesh.devices.size} devices; choose a multiple")
-    return Stage(config, rows, digest, source, None, NamedSharding(mesh, P("data")),
-                 Keys.from_seed(settings.seed).mask, settings, run.specials)
+    stage = Stage(config, rows, digest, source, None, NamedSharding(mesh, P("data")),
+                  Keys.from_seed(settings.seed).mask, settings, run.specials)
+    if settings.pack:  # the most rows any of its batches fills (the last length, replayed)
+        end = max([steps, *(n for _, n in settings.budget_revisions)])
+        stage.packed = packed_counts(rows, (_chosen(stage, i) for i in range(end)),
+                                     run.specials["pad"], mesh.devices.size)
+    return stage
 
 
 def compile_step(stage: Stage, params):
@@ -175,7 +118,8 @@ def compile_step(stage: Stage, params):
     s = stage.settings
     optimizer, stage.step_fn = _jitted_step(stage.config.model, stage.config.optim,
                                             stage.config.train.steps, s.pooling, s.temperature,
-                                            s.symmetric, s.chunks, stage.specials["pad"])
+                                            s.symmetric, s.chunks, stage.specials["pad"],
+                                            s.pack)
     replicated = NamedSharding(stage.sharding.mesh, P())
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # the step donates its own
     state = new_state(params, optimizer)
@@ -184,28 +128,32 @@ def compile_step(stage: Stage, params):
 
 @functools.lru_cache(maxsize=4)
 def _jitted_step(model_config, optim, steps: int, pooling: str, temperature: float,
-                 symmetric: bool, chunks: int, pad: int):
+                 symmetric: bool, chunks: int, pad: int, packed: bool):
     """One jitted step per stage shape: ``clozax retrieval``'s seeds (and the random-init
     control, the same program) trace and compile it once."""
     shapes = jax.eval_shape(lambda: model_lib.init(model_config, jax.random.key(0)))
     optimizer, schedule = make_optimizer(optim, steps, shapes,
                                          schedule=stage_rate(optim.learning_rate))
     return optimizer, jax.jit(make_embed_step(model_config, optimizer, schedule, pooling,
-                                              temperature, symmetric, chunks, pad),
+                                              temperature, symmetric, chunks, pad, packed),
                               donate_argnums=0)
 
 
 def batch_at(stage: Stage, i: int) -> dict:
     """Batch ``i``: a keyed permutation of the pairs per epoch, the remainder of an epoch left
-    out; a pure function of ``(seed, i)``."""
+    out; a pure function of ``(seed, i)``. ``--pack``: each side packed (``rows.py``)."""
+    chosen = _chosen(stage, i)
+    arrays = ({s: stage.rows[s][chosen] for s in stage.rows} if stage.packed is None else
+              packed_batch(stage.rows, chosen, stage.specials["pad"], stage.packed))
+    keys = sorted(arrays)  # every process holds every pair: each builds its own shards
+    return dict(zip(keys, from_host(stage.sharding, [arrays[k] for k in keys]), strict=True))
+
+
+def _chosen(stage: Stage, i: int) -> np.ndarray:
     n, b = len(stage.rows["query"]), stage.settings.batch_size
-    per_epoch = n // b
-    epoch, k = divmod(i, per_epoch)
+    epoch, k = divmod(i, n // b)
     order = np.random.default_rng([stage.settings.seed, epoch, 17]).permutation(n)
-    chosen = order[k * b:(k + 1) * b]
-    sides = sorted(stage.rows)  # every process holds every pair: each builds its own shards
-    return dict(zip(sides, from_host(stage.sharding, [stage.rows[s][chosen] for s in sides]),
-                    strict=True))
+    return order[k * b:(k + 1) * b]
 
 
 def train_in_memory(run: LoadedRun, settings: StageSettings, mesh=None) -> tuple[dict, list]:
@@ -273,7 +221,7 @@ def _check_same(out: Path, info: dict) -> None:
     if recorded is None:
         raise ValueError(f"{out} is a clozax run but not a contrastive stage; choose a new "
                          "--out")
-    keys = set(info) | (set(recorded) & {"negatives", "negatives_skip"})  # set when not "none"
+    keys = set(info) | (set(recorded) & {"negatives", "negatives_skip", "pack"})  # when set
     differ = sorted(k for k in keys if recorded.get(k) != info.get(k))
     if differ:
         raise ValueError(f"{out} is a stage with other settings ({', '.join(differ)} differ); "

@@ -26,12 +26,14 @@ only; a stage may resume with other chunks).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from clozax.core import model as model_lib
-from clozax.core.pooling import pool
+from clozax.core.pooling import pool, pool_segments
 from clozax.core.train_state import TrainState
 from clozax.train.step import all_finite
 
@@ -67,10 +69,39 @@ def make_embedder(model_config, pooling: str):
     return embed
 
 
+def make_packed_embedder(model_config, pooling: str):
+    """``(params, ids [R, L], segments [R, L], where [N, 2], keys [R] | None) -> [N, H]``:
+    texts packed several to a row (``data/pairs.py`` ``pack_texts``), each attending only to
+    itself with positions from 0 (``model.attention_within_segments``), pooled per segment and
+    gathered back in text order, unit length; ``keys`` (one per row) turn on dropout."""
+    packed = dataclasses.replace(model_config, attention_within_segments=True)
+
+    def hidden_of(params, ids, segments, key):
+        return model_lib.apply(params, packed, ids, segments > 0, segments, dropout_key=key)
+
+    def embed(params, ids, segments, where, keys):
+        if keys is None:
+            hidden = hidden_of(params, ids, segments, None)  # [R, L, H]
+        else:
+            hidden = jax.vmap(lambda x, s, k: hidden_of(params, x[None], s[None], k)[0])(
+                ids, segments, keys)
+        # A text is [CLS] ... [SEP], at least 2 tokens: at most L / 2 of them in a row
+        per_segment = pool_segments(hidden, segments, ids.shape[1] // 2, pooling)  # [R, K, H]
+        out = per_segment[where[:, 0], where[:, 1]]  # [N, H]
+        return out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+
+    return embed
+
+
 def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetric: bool,
-                        chunks: int, pad: int):
+                        chunks: int, pad: int, packed: bool = False):
     """``(params, batch, key) -> (sum, count, grad_sum)``; ``batch`` holds ``query`` and
-    ``positive`` (and ``negative``) token rows [B, L]. ``chunks`` > 1: gradient caching."""
+    ``positive`` (and ``negative``) token rows [B, L]. ``chunks`` > 1: gradient caching.
+    ``packed``: each side is ``pack_texts``' ``{side: ids, side_segments: …, side_where:
+    …}`` instead (one pass, no gradient cache); without dropout, the numbers of the padded
+    rows to float rounding (tested), and fewer rows to compute when texts are short."""
+    if packed:
+        return _packed_loss_and_grads(model_config, pooling, temperature, symmetric)
     embed = make_embedder(model_config, pooling)
 
     def embed_rows(params, ids, rows, key, side):  # rows: each row's index in the batch
@@ -126,6 +157,33 @@ def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetri
     return whole if chunks == 1 else cached
 
 
+def _packed_loss_and_grads(model_config, pooling: str, temperature: float, symmetric: bool):
+    embed = make_packed_embedder(model_config, pooling)
+
+    def loss_and_grads(params, batch, key):
+        sides = [s for s in SIDES if s in batch]
+
+        def loss(p):
+            embeddings = {}
+            for side in sides:
+                ids = batch[side]
+                keys = None
+                if model_config.dropout > 0:
+                    side_key = jax.random.fold_in(key, SIDES.index(side))
+                    keys = jax.vmap(lambda r, k=side_key: jax.random.fold_in(k, r))(
+                        jnp.arange(ids.shape[0]))
+                embeddings[side] = embed(p, ids, batch[f"{side}_segments"],
+                                         batch[f"{side}_where"], keys)
+            total, count = info_nce(embeddings["query"], embeddings["positive"],
+                                    embeddings.get("negative"), temperature, symmetric)
+            return total, (total, count)
+
+        grad_sum, (total, count) = jax.grad(loss, has_aux=True)(params)
+        return total, count, grad_sum
+
+    return loss_and_grads
+
+
 def stage_rate(peak: float):
     """The stage's learning rate ``rate(count, total_steps)``: linear warm-up over the first
     tenth of the stage's length (at least 1 update, at most ``total_steps - 1``), then linear
@@ -147,11 +205,12 @@ def stage_rate(peak: float):
 
 
 def make_embed_step(model_config, optimizer, schedule, pooling: str, temperature: float,
-                    symmetric: bool, chunks: int, pad: int):
+                    symmetric: bool, chunks: int, pad: int, packed: bool = False):
     """The pure step ``(state, batch, key) -> (state, metrics)``: the loss's gradient divided
-    once by its count, then the optimizer's update. Dropout's key is ``fold_in(key, step)``."""
+    once by its count, then the optimizer's update. Dropout's key is ``fold_in(key, step)``.
+    ``packed``: the batch is packed rows (``make_loss_and_grads``)."""
     loss_and_grads = make_loss_and_grads(model_config, pooling, temperature, symmetric,
-                                         chunks, pad)
+                                         chunks, pad, packed)
 
     def step(state: TrainState, batch: dict, key):
         total, count, grad_sum = loss_and_grads(state.params, batch,
