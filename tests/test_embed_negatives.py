@@ -1,7 +1,8 @@
-"""Hard negatives in the contrastive stage: mined by BM25 from the corpus pairs and recorded, a
-pair file's bad negatives counted, texts longer than a row counted, and across devices each
-anchor's positive stays its own (sentence-transformers shipped the opposite, PR #3442, fixed in
-#3453)."""
+"""The contrastive stage's hard negatives, packed texts and dropout: negatives mined by BM25
+from the corpus pairs and recorded, a pair file's bad negatives counted, texts longer than a
+row counted, across devices each anchor's positive its own (sentence-transformers shipped the
+opposite, PR #3442, fixed in #3453); packed rows equal to padded ones; a key per row drawn in
+one batched encoder."""
 
 from __future__ import annotations
 
@@ -237,3 +238,26 @@ def test_pack_with_minutes_or_chunks_is_one_line(capsys, tiny_run, tmp_path):
                           "--minutes", 1)
     assert "--pack" in line and "--steps" in line
     assert not (tmp_path / "s").exists()
+
+
+def test_a_key_per_row_draws_each_rows_dropout_as_a_batch_of_one(tiny_run):
+    """The stage's dropout (a key per row, so ``--chunks`` changes no number) is drawn inside
+    one batched encoder: bitwise the embeddings of the encoder run row by row with each key
+    (how it ran, 3-4x slower, before)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from clozax.train.contrastive.step import make_embedder
+
+    run = load_run(tiny_run)
+    pad = run.specials["pad"]
+    embed = make_embedder(dataclasses.replace(run.config.model, dropout=0.1), "mean")
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, 200, (6, 16)).astype(np.int32))
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(3), r))(jnp.arange(6))
+    alone = jax.vmap(lambda x, k: embed(run.params, x[None], x[None] != pad, k)[0])(ids, keys)
+    batched = embed(run.params, ids, ids != pad, keys)
+    np.testing.assert_array_equal(np.asarray(batched), np.asarray(alone))
+    assert not np.array_equal(np.asarray(batched),
+                              np.asarray(embed(run.params, ids, ids != pad, None)))

@@ -118,8 +118,14 @@ split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
 
 def dropout(y, key, which: int, rate: float):
     """Inverted dropout of ``y`` with ``fold_in(key, which)``; ``y`` itself without a key
-    (pretraining and evaluation) or at rate 0."""
+    (pretraining and evaluation) or at rate 0. ``key`` may be one key per row of ``y``
+    (shape (batch,)): each row's mask is then drawn from its own key alone, the bits it would
+    get as a batch of one (the draw, not the encoder, is vectorised over the rows)."""
     if key is None or rate == 0:
         return y
-    keep = jax.random.bernoulli(jax.random.fold_in(key, which), 1.0 - rate, y.shape)
+    if key.ndim == 1:  # a key per row
+        keep = jax.vmap(lambda k: jax.random.bernoulli(jax.random.fold_in(k, which), 1.0 - rate,
+                                                       (1, *y.shape[1:]))[0])(key)
+    else:
+        keep = jax.random.bernoulli(jax.random.fold_in(key, which), 1.0 - rate, y.shape)
     return jnp.where(keep, y / (1.0 - rate), 0.0).astype(y.dtype)

@@ -18,8 +18,9 @@ and its gradient *with respect to the embeddings* over the whole batch; then eac
 its embeddings' gradient pulled back through the encoder (``jax.vjp``) and summed. The result is
 the full-batch gradient (to float rounding) with one chunk's activations in memory at a time.
 Chunk ``j`` takes rows ``j, j + chunks, ...`` so every chunk spans every device. Dropout draws a
-key per side and *row of the batch* (``fold_in(fold_in(key, side), row)``, the encoder mapped
-over the rows with ``jax.vmap``), the same in both passes and whatever chunk holds the row: so
+key per side and *row of the batch* (``fold_in(fold_in(key, side), row)``; the encoder takes
+the row keys and draws each row's masks from its own, ``core/layers.py`` ``dropout``), the
+same in both passes and whatever chunk holds the row: so
 ``chunks`` changes no number beyond float rounding, with dropout or without (speed and memory
 only; a stage may resume with other chunks).
 """
@@ -80,11 +81,7 @@ def make_packed_embedder(model_config, pooling: str):
         return model_lib.apply(params, packed, ids, segments > 0, segments, dropout_key=key)
 
     def embed(params, ids, segments, where, keys):
-        if keys is None:
-            hidden = hidden_of(params, ids, segments, None)  # [R, L, H]
-        else:
-            hidden = jax.vmap(lambda x, s, k: hidden_of(params, x[None], s[None], k)[0])(
-                ids, segments, keys)
+        hidden = hidden_of(params, ids, segments, keys)  # [R, L, H]
         # A text is [CLS] ... [SEP], at least 2 tokens: at most L / 2 of them in a row
         per_segment = pool_segments(hidden, segments, ids.shape[1] // 2, pooling)  # [R, K, H]
         out = per_segment[where[:, 0], where[:, 1]]  # [N, H]
@@ -109,7 +106,7 @@ def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetri
             return embed(params, ids, ids != pad, None)
         side_key = jax.random.fold_in(key, SIDES.index(side))
         row_keys = jax.vmap(lambda r: jax.random.fold_in(side_key, r))(rows)
-        return jax.vmap(lambda x, k: embed(params, x[None], x[None] != pad, k)[0])(ids, row_keys)
+        return embed(params, ids, ids != pad, row_keys)  # each row's masks from its own key
 
     def loss_of(embeddings):  # {side: [B, H]} -> (sum, (sum, count))
         total, count = info_nce(embeddings["query"], embeddings["positive"],
