@@ -261,3 +261,15 @@ def test_a_key_per_row_draws_each_rows_dropout_as_a_batch_of_one(tiny_run):
     np.testing.assert_array_equal(np.asarray(batched), np.asarray(alone))
     assert not np.array_equal(np.asarray(batched),
                               np.asarray(embed(run.params, ids, ids != pad, None)))
+
+
+def test_corpus_pairs_from_an_imported_run_are_refused_in_one_line_naming_the_ways(
+        capsys, tiny_run_copy, tmp_path):
+    """An imported encoder has no corpus of its own (``run.json``'s ``dataset`` is None): the
+    stage says so and what to do, instead of "trained on dataset 'None'"."""
+    info = json.loads((tiny_run_copy / "run.json").read_text())
+    (tiny_run_copy / "run.json").write_text(json.dumps({**info, "dataset": None}))
+    line = one_line_error(capsys, "embed", tiny_run_copy, "--out", tmp_path / "s", "--steps", 1,
+                          "--batch-size", 8)
+    assert "has no dataset of its own" in line and "'None'" not in line
+    assert "clozax train --init-from" in line and not (tmp_path / "s").exists()

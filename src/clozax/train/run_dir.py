@@ -314,8 +314,15 @@ def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_datas
     that same dataset: fingerprint (which covers the split, ``seq_len``, tokenizer and every
     data file), tokenizer, vocabulary and length must all agree with the run's provenance."""
     recorded = run.info.get("dataset")
-    path = Path(path if path is not None else recorded or "")
-    if not str(path) or str(path) == "." or not path.is_dir():
+    if path is None and not recorded:  # imported (clozax import-hf): no corpus of its own
+        raise ValueError(
+            f"run {run.path} has no dataset of its own (it was imported, not trained here); "
+            "give the command its data where it takes some (a pair file, --beir, --data), or "
+            f"continue pretraining it on a prepared dataset first (`clozax train --init-from "
+            f"{run.path}`)"
+        )
+    path = Path(path if path is not None else recorded)
+    if not path.is_dir():
         raise ValueError(
             f"run {run.path} was trained on dataset {str(recorded)!r}, which does not exist "
             "here; restore that directory (or re-run `clozax prepare` with the same options)"
