@@ -22,12 +22,12 @@ of its batches needs (``packed_counts``), so one program runs them all.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from clozax.core import files
 from clozax.data import pairs as pairs_lib
 from clozax.data.negatives import Mined, drop_equal_negatives, mine_bm25
 from clozax.data.tokenizer import load_tokenizer
@@ -60,7 +60,7 @@ def _content_key(run: LoadedRun, settings) -> tuple:
     """What the rows are a function of: the tokenizer's bytes, the dataset's fingerprint, the
     special ids, and the pair kind, seed, sample size and row length (and the dataset's
     directory, which the rows' ``source`` names)."""
-    tokenizer = hashlib.sha256(run.tokenizer_path.read_bytes()).hexdigest()
+    tokenizer = files.file_sha256(run.tokenizer_path)
     return (tokenizer, run.info.get("dataset_fingerprint"), run.info.get("dataset"),
             tuple(sorted(run.specials.items())), settings.pairs, settings.seed,
             settings.max_pairs, settings.seq_len, settings.negatives, settings.negatives_skip)

@@ -15,6 +15,8 @@ from clozax.train.checks import check_choice, check_int, check_real
 
 SPEED_ONLY = ("chunks", "save_every", "save_every_minutes")  # a resume may change them
 NEGATIVES = ("none", "bm25")
+# Settings recorded only when set (a stage from before they existed has none of them)
+OPTIONAL = ("negatives", "negatives_skip", "pack")
 NEGATIVES_FILE = "negatives.jsonl"  # a bm25 stage's mined (query, positive, negative) triples
 
 
@@ -80,7 +82,7 @@ class StageSettings:
 
     def identity(self) -> dict:
         """The settings that make the numbers (a resume must keep them)."""
-        unset = (("negatives", "negatives_skip") if self.negatives == "none" else ()) + (
-            () if self.pack else ("pack",))  # as recorded before these existed
+        unset = (OPTIONAL[:2] if self.negatives == "none" else ()) + (
+            () if self.pack else OPTIONAL[2:])  # as recorded before these existed
         return {k: v for k, v in dataclasses.asdict(self).items()
                 if k not in SPEED_ONLY + ("steps", "minutes", "budget_revisions") + unset}

@@ -57,7 +57,7 @@ from clozax.train.contrastive.rows import (
     packed_counts,
     pair_rows,
 )
-from clozax.train.contrastive.settings import NEGATIVES_FILE, StageSettings
+from clozax.train.contrastive.settings import NEGATIVES_FILE, OPTIONAL, StageSettings
 from clozax.train.contrastive.step import make_embed_step, stage_rate
 from clozax.train.drive import Job, Progress, drive
 from clozax.train.evaluation import TrainingDiverged
@@ -221,7 +221,7 @@ def _check_same(out: Path, info: dict) -> None:
     if recorded is None:
         raise ValueError(f"{out} is a clozax run but not a contrastive stage; choose a new "
                          "--out")
-    keys = set(info) | (set(recorded) & {"negatives", "negatives_skip", "pack"})  # when set
+    keys = set(info) | (set(recorded) & set(OPTIONAL))  # recorded only when set
     differ = sorted(k for k in keys if recorded.get(k) != info.get(k))
     if differ:
         raise ValueError(f"{out} is a stage with other settings ({', '.join(differ)} differ); "

@@ -58,6 +58,13 @@ def info_nce(queries: jax.Array, positives: jax.Array, negatives: jax.Array | No
     return total, jnp.asarray(count, jnp.int32)
 
 
+def row_keys(key, side: str, rows):
+    """Dropout keys of ``rows`` (their indices) of one side: ``fold_in(fold_in(key, side),
+    row)``, each row's masks drawn from its own (``core/layers.py`` ``dropout``)."""
+    side_key = jax.random.fold_in(key, SIDES.index(side))
+    return jax.vmap(lambda r: jax.random.fold_in(side_key, r))(rows)
+
+
 def make_embedder(model_config, pooling: str):
     """``(params, ids [N, L], key | None) -> [N, H]`` unit-length pooled embeddings; a key
     turns on ``model_config.dropout``. Padding is ``ids == pad`` (the mask is given)."""
@@ -97,21 +104,19 @@ def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetri
     ``packed``: each side is ``pack_texts``' ``{side: ids, side_segments: …, side_where:
     …}`` instead (one pass, no gradient cache); without dropout, the numbers of the padded
     rows to float rounding (tested), and fewer rows to compute when texts are short."""
+    def loss_of(embeddings):  # {side: [B, H]} -> (sum, (sum, count))
+        total, count = info_nce(embeddings["query"], embeddings["positive"],
+                                embeddings.get("negative"), temperature, symmetric)
+        return total, (total, count)
+
     if packed:
-        return _packed_loss_and_grads(model_config, pooling, temperature, symmetric)
+        return _packed_loss_and_grads(model_config, pooling, loss_of)
     embed = make_embedder(model_config, pooling)
 
     def embed_rows(params, ids, rows, key, side):  # rows: each row's index in the batch
         if model_config.dropout == 0:
             return embed(params, ids, ids != pad, None)
-        side_key = jax.random.fold_in(key, SIDES.index(side))
-        row_keys = jax.vmap(lambda r: jax.random.fold_in(side_key, r))(rows)
-        return embed(params, ids, ids != pad, row_keys)  # each row's masks from its own key
-
-    def loss_of(embeddings):  # {side: [B, H]} -> (sum, (sum, count))
-        total, count = info_nce(embeddings["query"], embeddings["positive"],
-                                embeddings.get("negative"), temperature, symmetric)
-        return total, (total, count)
+        return embed(params, ids, ids != pad, row_keys(key, side, rows))
 
     def whole(params, batch, key):  # chunks == 1: one forward, one backward
         def loss(p):
@@ -154,26 +159,20 @@ def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetri
     return whole if chunks == 1 else cached
 
 
-def _packed_loss_and_grads(model_config, pooling: str, temperature: float, symmetric: bool):
+def _packed_loss_and_grads(model_config, pooling: str, loss_of):
+    """``make_loss_and_grads(packed=True)``: every side's packed rows embedded in one pass,
+    ``loss_of`` (InfoNCE) over the texts in their batch order."""
     embed = make_packed_embedder(model_config, pooling)
 
     def loss_and_grads(params, batch, key):
-        sides = [s for s in SIDES if s in batch]
+        def embed_side(p, side):
+            ids = batch[side]
+            keys = (row_keys(key, side, jnp.arange(ids.shape[0]))
+                    if model_config.dropout > 0 else None)
+            return embed(p, ids, batch[f"{side}_segments"], batch[f"{side}_where"], keys)
 
         def loss(p):
-            embeddings = {}
-            for side in sides:
-                ids = batch[side]
-                keys = None
-                if model_config.dropout > 0:
-                    side_key = jax.random.fold_in(key, SIDES.index(side))
-                    keys = jax.vmap(lambda r, k=side_key: jax.random.fold_in(k, r))(
-                        jnp.arange(ids.shape[0]))
-                embeddings[side] = embed(p, ids, batch[f"{side}_segments"],
-                                         batch[f"{side}_where"], keys)
-            total, count = info_nce(embeddings["query"], embeddings["positive"],
-                                    embeddings.get("negative"), temperature, symmetric)
-            return total, (total, count)
+            return loss_of({side: embed_side(p, side) for side in SIDES if side in batch})
 
         grad_sum, (total, count) = jax.grad(loss, has_aux=True)(params)
         return total, count, grad_sum
