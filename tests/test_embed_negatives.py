@@ -23,18 +23,32 @@ WORDS = ("socket parse thread gzip date pattern request random lock queue stream
 
 DEVICE_SCRIPT = r"""
 import json, sys
-import jax, numpy as np
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from clozax.train.contrastive.stage import StageSettings, train_in_memory
+from clozax.train.contrastive.step import info_nce
 from clozax.train.mesh import make_mesh
 from clozax.train.run_dir import load_run
 run = load_run(sys.argv[1])
-res = {}
-for n, chunks in ((1, 1), (4, 1), (4, 2)):
-    s = StageSettings(pairs=sys.argv[2], steps=3, batch_size=8, seq_len=24, dropout=0.0,
-                      chunks=chunks, symmetric=True)
-    params, losses = train_in_memory(run, s, make_mesh(n))
-    res[f"{n}x{chunks}"] = {"losses": losses, "params": [
-        np.asarray(x).ravel()[:64].tolist() for x in jax.tree.leaves(params)]}
+res = {"devices": len(jax.devices())}
+for pairs, symmetric in (("first-sentence", False), (sys.argv[2], True)):  # corpus; negatives
+    for n, chunks in ((1, 1), (4, 1), (4, 2)):
+        s = StageSettings(pairs=pairs, steps=3, batch_size=8, seq_len=24, dropout=0.0,
+                          chunks=chunks, symmetric=symmetric)
+        params, losses = train_in_memory(run, s, make_mesh(n))
+        res[f"{symmetric} {n}x{chunks}"] = {"losses": losses, "params": [
+            np.asarray(x).ravel()[:64].tolist() for x in jax.tree.leaves(params)]}
+# the loss alone on unit vectors sharded over the 4 devices, against NumPy's global formula
+rng = np.random.default_rng(1)
+q, p, n = (rng.normal(size=(8, 5)).astype(np.float32) for _ in range(3))
+q, p, n = (x / np.linalg.norm(x, axis=1, keepdims=True) for x in (q, p, n))
+put = lambda x: jax.device_put(x, NamedSharding(make_mesh(4), P("data")))
+total, count = jax.jit(lambda a, b, c: info_nce(a, b, c, 0.05, True))(put(q), put(p), put(n))
+def ce(s):
+    s = s - s.max(axis=1, keepdims=True)
+    return -(s - np.log(np.exp(s).sum(axis=1, keepdims=True)))[np.arange(8), np.arange(8)].sum()
+want = ce(q @ np.concatenate([p, n]).T / 0.05) + ce((q @ p.T / 0.05).T)
+res["formula"] = [float(total), int(count), float(want)]
 print(json.dumps(res))
 """
 
@@ -49,52 +63,55 @@ def _pair_file(path, n=24):
     return path
 
 
+@pytest.fixture(scope="module")
+def four_devices(tiny_run, tmp_path_factory) -> dict:
+    """One process of 4 simulated devices runs ``DEVICE_SCRIPT`` (the stages and the loss)."""
+    pairs = _pair_file(tmp_path_factory.mktemp("pairs") / "pairs.jsonl")
+    ran = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(tiny_run), str(pairs)],
+                         env=simulated_devices(4), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    res = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert res["devices"] == 4
+    return res
+
+
+def _assert_same_stage(res: dict, prefix: str) -> None:
+    one = res[f"{prefix} 1x1"]
+    assert all(np.isfinite(one["losses"])) and one["losses"][0] > 0
+    for name in ("4x1", "4x2"):
+        np.testing.assert_allclose(res[f"{prefix} {name}"]["losses"], one["losses"], rtol=1e-4)
+        # as one vector: a tensor the loss never reaches (the MLM head) moves by rounding only
+        a, b = (np.concatenate([np.asarray(x) for x in r["params"]])
+                for r in (one, res[f"{prefix} {name}"]))
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+
+
 @pytest.mark.slow
-def test_hard_negatives_on_four_devices_train_the_one_device_stage(tiny_run, tmp_path):
+def test_one_device_four_devices_and_cached_chunks_train_the_same_stage(four_devices):
+    """The contrastive batch is the global batch: on 4 simulated devices (the in-batch
+    negatives gathered across them), and with the gradient cache on top, three updates of
+    corpus pairs give the one-device losses and parameters (to rounding: the summation order
+    differs)."""
+    _assert_same_stage(four_devices, "False")
+
+
+@pytest.mark.slow
+def test_hard_negatives_on_four_devices_train_the_one_device_stage(four_devices):
     """A stage with a hard-negative column, symmetric, on 4 simulated devices (and with the
     gradient cache on top): the one-device losses and parameters, to rounding. The score
     matrix is the global batch's [B, 2B] and query i's answer is positive i of the *global*
     batch; had a device labelled its queries by local index among gathered columns (the
     sentence-transformers bug), the losses would differ from the first step."""
-    pairs = _pair_file(tmp_path / "pairs.jsonl")
-    ran = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(tiny_run), str(pairs)],
-                         env=simulated_devices(4), capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    res = json.loads(ran.stdout.strip().splitlines()[-1])
-    one = res["1x1"]
-    assert all(np.isfinite(one["losses"])) and one["losses"][0] > 0
-    for name in ("4x1", "4x2"):
-        np.testing.assert_allclose(res[name]["losses"], one["losses"], rtol=1e-4)
-        a, b = (np.concatenate([np.asarray(x) for x in r["params"]]) for r in (one, res[name]))
-        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+    _assert_same_stage(four_devices, "True")
 
 
-def test_the_loss_on_a_sharded_batch_with_negatives_is_the_global_formula():
+@pytest.mark.slow
+def test_the_loss_on_a_sharded_batch_with_negatives_is_the_global_formula(four_devices):
     """InfoNCE on unit vectors sharded over 4 devices (the stage's layout) equals NumPy's
     global formula: query i's cross-entropy over all B positives and B negatives with answer
     i, and (symmetric) positive i's over the B queries."""
-    code = r"""
-import json, jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-from clozax.train.contrastive.step import info_nce
-from clozax.train.mesh import make_mesh
-rng = np.random.default_rng(1)
-q, p, n = (rng.normal(size=(8, 5)).astype(np.float32) for _ in range(3))
-q, p, n = (x / np.linalg.norm(x, axis=1, keepdims=True) for x in (q, p, n))
-mesh = make_mesh(4)
-put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
-total, count = jax.jit(lambda a, b, c: info_nce(a, b, c, 0.05, True))(put(q), put(p), put(n))
-def ce(s):
-    s = s - s.max(axis=1, keepdims=True)
-    return -(s - np.log(np.exp(s).sum(axis=1, keepdims=True)))[np.arange(8), np.arange(8)].sum()
-want = ce(q @ np.concatenate([p, n]).T / 0.05) + ce((q @ p.T / 0.05).T)
-print(json.dumps([float(total), int(count), float(want), len(jax.devices())]))
-"""
-    ran = subprocess.run([sys.executable, "-c", code], env=simulated_devices(4),
-                         capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    total, count, want, devices = json.loads(ran.stdout.strip().splitlines()[-1])
-    assert devices == 4 and count == 16
+    total, count, want = four_devices["formula"]
+    assert count == 16
     np.testing.assert_allclose(total, want, rtol=1e-5)
 
 
@@ -273,3 +290,59 @@ def test_corpus_pairs_from_an_imported_run_are_refused_in_one_line_naming_the_wa
                           "--batch-size", 8)
     assert "has no dataset of its own" in line and "'None'" not in line
     assert "clozax train --init-from" in line and not (tmp_path / "s").exists()
+
+
+def _as_imported(run) -> None:
+    """``run`` made what ``import-hf`` writes: no dataset of its own."""
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "dataset": None,
+                                              "dataset_fingerprint": None}))
+
+
+def test_an_imported_encoder_given_data_trains_on_its_train_split_and_retrieves_its_held_out(
+        capsys, tiny_run_copy, stdlib_data, tmp_path):
+    """``--data`` is an imported encoder's corpus: the stage's pairs from its train split
+    (recorded, so the stage's run names the dataset it read) and ``clozax retrieval``'s set from
+    its held-out split, the untouched encoder a row of its own."""
+    _as_imported(tiny_run_copy)
+    out = tmp_path / "s"
+    ran = clozax(capsys, "embed", tiny_run_copy, "--out", out, "--data", stdlib_data,
+                 "--steps", 2, "--batch-size", 8, "--seq-len", 24, "--max-pairs", 64)
+    assert ran.code == 0, ran.err
+    info = json.loads((out / "run.json").read_text())
+    assert info["stage"]["data"] == str(stdlib_data.absolute())
+    assert info["dataset"] == str(stdlib_data.absolute())
+    assert "(train split)" in info["stage"]["pairs_source"]
+    ran = clozax(capsys, "retrieval", out, "--seeds", 1, "--max-queries", 20, "--out",
+                 tmp_path / "r.json")
+    assert ran.code == 0, ran.err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["set"]["split"] == "heldout"
+    assert result["set"]["dataset"] == str(stdlib_data.absolute())
+    assert {"bm25", "raw", "this_stage", "trained_stage"} <= set(result["rows"])
+    # the stage's own --data is the only one its retrieval set may come from
+    line = one_line_error(capsys, "retrieval", out, "--data", tmp_path, "--seeds", 1)
+    assert "leave --data out" in line
+
+
+def test_data_for_an_imported_encoder_must_hold_its_tokenizer_and_a_trained_run_its_own(
+        capsys, tiny_run_copy, stdlib_data, tmp_path):
+    """Data prepared with another tokenizer than the run's, a directory that is no dataset,
+    and a trained run's ``--data`` other than the dataset it trained on: one line each,
+    nothing written."""
+    path = tiny_run_copy / "run.json"
+    info = json.loads(path.read_text())
+    path.write_text(json.dumps({**info, "dataset_fingerprint": "f" * 64}))  # trained elsewhere
+    line = one_line_error(capsys, "embed", tiny_run_copy, "--out", tmp_path / "a", "--data",
+                          stdlib_data, "--steps", 1, "--batch-size", 8)
+    assert "use the dataset the run was trained on" in line
+    _as_imported(tiny_run_copy)
+    line = one_line_error(capsys, "embed", tiny_run_copy, "--out", tmp_path / "b", "--data",
+                          tmp_path / "missing", "--steps", 1, "--batch-size", 8)
+    assert "does not exist" in line
+    info = json.loads(path.read_text())
+    path.write_text(json.dumps({**info, "tokenizer_sha256": "0" * 64}))  # another tokenizer's
+    line = one_line_error(capsys, "embed", tiny_run_copy, "--out", tmp_path / "c", "--data",
+                          stdlib_data, "--steps", 1, "--batch-size", 8)
+    assert "another tokenizer" in line and "--tokenizer" in line
+    assert not any((tmp_path / d).exists() for d in "abc")

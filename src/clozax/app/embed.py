@@ -38,6 +38,14 @@ Pack = Annotated[bool, Opt(help="Pack several texts into a row, each attending o
                                  "unpacked stage's numbers). Needs --steps and --chunks 1.")]
 NegativesSkip = Annotated[int, Opt(help="With --negatives bm25: BM25's best-ranked documents "
                                         "passed over as likely positives.")]
+Data = Annotated[Path | None, Opt(help="An imported encoder's corpus (it has none of its "
+                                       "own): a dataset `clozax prepare --tokenizer "
+                                       "RUN/tokenizer.json` wrote; its train split gives the "
+                                       "pairs, its held-out split the retrieval set.")]
+
+
+def _data(data: Path | None) -> str | None:
+    return None if data is None else str(data.absolute())
 
 
 def embed(
@@ -53,7 +61,7 @@ def embed(
     learning_rate: LearningRate = 1e-4, symmetric: Symmetric = False,
     pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,
     max_pairs: MaxPairs = None, negatives: Negatives = "none", negatives_skip: NegativesSkip = 3,
-    pack: Pack = False,
+    pack: Pack = False, data: Data = None,
     save_every: Annotated[int, Opt(help="A checkpoint every this many updates (and at the "
                                         "end).")] = 100,
     save_every_minutes: Annotated[float | None, Opt(help="Also a checkpoint when this many "
@@ -77,7 +85,8 @@ def embed(
                              learning_rate=learning_rate, symmetric=symmetric, pooling=pooling,
                              seq_len=seq_len, dropout=dropout, seed=seed, max_pairs=max_pairs,
                              negatives=negatives, negatives_skip=negatives_skip, pack=pack,
-                             save_every=save_every, save_every_minutes=save_every_minutes)
+                             data=_data(data), save_every=save_every,
+                             save_every_minutes=save_every_minutes)
     result = run_stage(run, out, settings)
     if result["trained"]:
         print(f"trained {result['trained']} contrastive steps into {out}; final loss "
@@ -103,6 +112,7 @@ def retrieval(
     symmetric: Symmetric = False, pooling: Pooling = "mean", seq_len: SeqLen = 64,
     dropout: Dropout = 0.1, seed: Seed = 0, max_pairs: MaxPairs = None,
     negatives: Negatives = "none", negatives_skip: NegativesSkip = 3, pack: Pack = False,
+    data: Data = None,
 ):
     """Score retrieval: BM25, the raw encoder, and random-init vs trained through the stage."""
     from clozax.train import compile_cache
@@ -118,7 +128,8 @@ def retrieval(
                              temperature=temperature, learning_rate=learning_rate,
                              symmetric=symmetric, pooling=pooling, seq_len=seq_len,
                              dropout=dropout, seed=seed, max_pairs=max_pairs,
-                             negatives=negatives, negatives_skip=negatives_skip, pack=pack)
+                             negatives=negatives, negatives_skip=negatives_skip, pack=pack,
+                             data=_data(data))
     result = retrieval_run(run, settings, seeds, beir, split, max_queries, out)
     for name, d in result["differences_ndcg@10"].items():
         print(f"nDCG@10 {name.replace('_', ' ')}: {difference_words(d)}")

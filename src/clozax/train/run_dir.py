@@ -312,7 +312,8 @@ def warn(message: str) -> None:
 def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_dataset) -> Dataset:
     """The dataset a loaded run was trained on (or the one at ``path``), refused unless it is
     that same dataset: fingerprint (which covers the split, ``seq_len``, tokenizer and every
-    data file), tokenizer, vocabulary and length must all agree with the run's provenance."""
+    data file), tokenizer, vocabulary and length must all agree with the run's provenance. An
+    imported run has none: it takes any ``path`` prepared with its tokenizer (its domain)."""
     recorded = run.info.get("dataset")
     if path is None and not recorded:  # imported (clozax import-hf): no corpus of its own
         raise ValueError(
@@ -321,6 +322,8 @@ def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_datas
             f"continue pretraining it on a prepared dataset first (`clozax train --init-from "
             f"{run.path}`)"
         )
+    if path is not None and not recorded:
+        return _data_for_imported(run, Path(path), opener)
     path = Path(path if path is not None else recorded)
     if not path.is_dir():
         raise ValueError(
@@ -345,4 +348,22 @@ def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_datas
             f"checkpoint whose config does not match the data: run {run.path} vs dataset {path} "
             f"({'; '.join(mismatches)}); use the dataset the run was trained on"
         )
+    return dataset
+
+
+def _data_for_imported(run: LoadedRun, path: Path, opener) -> Dataset:
+    """A dataset given to an imported run (which pretrained on text clozax never saw): any
+    prepared with the run's own tokenizer, at a length its positions hold."""
+    if not path.is_dir():
+        raise ValueError(f"--data {path} does not exist; prepare it with `clozax prepare "
+                         f"--tokenizer {run.tokenizer_path}` or name another directory")
+    dataset = opener(path)
+    if run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
+        raise ValueError(f"--data {path} was prepared with another tokenizer than run "
+                         f"{run.path}'s; prepare it with `clozax prepare --tokenizer "
+                         f"{run.tokenizer_path}`")
+    if dataset.seq_len > run.config.model.max_positions:
+        raise ValueError(f"--data {path} has rows of {dataset.seq_len} tokens, more than run "
+                         f"{run.path}'s {run.config.model.max_positions} positions; prepare it "
+                         "with a smaller --seq-len")
     return dataset

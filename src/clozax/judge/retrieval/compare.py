@@ -41,6 +41,7 @@ from clozax.train.contrastive.step import make_embedder
 from clozax.train.run_dir import LoadedRun, load_run
 
 ENCODE_BATCH = 64
+NARROWEST = 16  # the fewest columns an encoding batch runs at
 DEPTH = 100  # documents ranked per query (Recall@100)
 BLOCK = 4096  # documents scored at a time
 DOCUMENT_LENGTH = 512  # documents are cut to the run's trained length, at most this
@@ -48,19 +49,34 @@ DOCUMENT_LENGTH = 512  # documents are cut to the run's trained length, at most 
 
 def encode(params, model_config, run: LoadedRun, texts: list[str], seq_len: int,
            pooling: str) -> np.ndarray:
-    """Unit-length embeddings [N, H] of ``texts`` cut to ``seq_len`` tokens; one compiled
-    program (batches padded to ``ENCODE_BATCH`` rows)."""
+    """Unit-length embeddings [N, H] of ``texts`` cut to ``seq_len`` tokens. Longest first,
+    ``ENCODE_BATCH`` at a time, each batch cut to the next power of two (at least
+    ``NARROWEST``, at most ``seq_len``) that holds its longest text, as sentence-transformers
+    sorts by length: short texts are not run at a long collection's length, and a few
+    compiled programs serve every batch (the cut columns are padding, which attention and
+    pooling mask)."""
     s = run.specials
     ids = tokenize(load_tokenizer(run.tokenizer_path), texts, seq_len, s["cls"], s["sep"],
                    s["pad"])
     apply = _jitted_encoder(dataclasses.replace(model_config, dropout=0.0), pooling, s["pad"])
-    out = []
+    lengths = (ids != s["pad"]).sum(axis=1)
+    order = np.argsort(-lengths, kind="stable")
+    out = None
     for start in range(0, len(ids), ENCODE_BATCH):
-        block = ids[start:start + ENCODE_BATCH]
+        chosen = order[start:start + ENCODE_BATCH]
+        block = ids[chosen, :width_for(int(lengths[chosen].max()), seq_len)]
         padded = np.pad(block, ((0, ENCODE_BATCH - len(block)), (0, 0)),
                         constant_values=s["pad"])
-        out.append(np.asarray(apply(params, jnp.asarray(padded)))[:len(block)])
-    return np.concatenate(out)
+        embedded = np.asarray(apply(params, jnp.asarray(padded)))[:len(block)]
+        if out is None:
+            out = np.empty((len(ids), embedded.shape[1]), embedded.dtype)
+        out[chosen] = embedded
+    return out if out is not None else np.zeros((0, model_config.hidden), np.float32)
+
+
+def width_for(longest: int, seq_len: int) -> int:
+    """The columns a batch whose longest text has ``longest`` tokens runs at."""
+    return min(seq_len, max(NARROWEST, 1 << max(longest - 1, 0).bit_length()))
 
 
 @functools.lru_cache(maxsize=4)
@@ -106,8 +122,13 @@ def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | Non
     stage_info = given.info.get("stage")
     source = load_run(Path(stage_info["source_run"])) if stage_info else given
     if stage_info:
+        if settings.data is not None and settings.data != stage_info.get("data"):
+            trained_on = stage_info.get("data") or "its source run's dataset"
+            raise ValueError(f"--data {settings.data}: stage {run_dir} trained on "
+                             f"{trained_on}, which its retrieval set is built from; leave "
+                             "--data out")
         settings = _recorded(stage_info, settings, given.config.train.steps)
-    found, described = _the_set(source, beir, split, max_queries)
+    found, described = _the_set(source, beir, split, max_queries, settings.data)
     say(f"retrieval set: {described['queries']:,} queries, {described['documents']:,} "
         f"documents ({described['construction']})")
     rows = {"bm25": metrics_lib.mean(metrics_lib.per_query(
@@ -139,12 +160,13 @@ def _recorded(stage_info: dict, settings: StageSettings, steps: int) -> StageSet
                                seed=stage_info.get("seed", settings.seed))
 
 
-def _the_set(run: LoadedRun, beir: Path | None, split: str, max_queries: int):
+def _the_set(run: LoadedRun, beir: Path | None, split: str, max_queries: int,
+             data: str | None):
     if beir is not None:
         found = read_beir(beir, split)
         return found, {"construction": f"BEIR layout {beir} ({split})",
                        "queries": len(found.queries), "documents": len(found.documents)}
-    return heldout_set(run, max_queries=max_queries)
+    return heldout_set(run, max_queries=max_queries, data=data)
 
 
 def _summary(rows, per_seed, described, settings, seeds, source, started) -> dict:

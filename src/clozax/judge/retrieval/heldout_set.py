@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 from clozax.data.pairs import MIN_WORDS, document_texts, first_sentence
 from clozax.data.split import group_key
@@ -26,9 +27,10 @@ MAX_QUERIES = 500
 
 
 def heldout_set(run: LoadedRun, key: int = 0, max_queries: int = MAX_QUERIES,
-                ) -> tuple[RetrievalSet, dict]:
-    """The set and its description (construction, split, key, sizes, digest)."""
-    dataset = open_run_dataset(run)
+                data: str | None = None) -> tuple[RetrievalSet, dict]:
+    """The set and its description (construction, split, key, sizes, digest); ``data``: an
+    imported run's dataset (it has none of its own)."""
+    dataset = open_run_dataset(run, None if data is None else Path(data))
     documents, askable = {}, []
     for doc_id, text in document_texts(dataset, "heldout", load_tokenizer(run.tokenizer_path)):
         pair = first_sentence(text)

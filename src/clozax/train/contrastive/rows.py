@@ -1,5 +1,6 @@
 """The contrastive stage's pairs as token rows ``{side: [N, L]}``: corpus pairs from the run's
-*train* split (``data/pairs.py``) or a JSONL file's, tokenized with the run's tokenizer.
+*train* split (``data/pairs.py``; an imported run's from the ``--data`` it is given) or a JSONL
+file's, tokenized with the run's tokenizer.
 
 ``clozax retrieval`` asks for the same rows twice per seed (the trained encoder and its
 random-init control), so the last rows made are kept for the process, keyed by what makes
@@ -57,11 +58,15 @@ def mined_negatives(run: LoadedRun, settings) -> Mined | None:
 
 
 def _content_key(run: LoadedRun, settings) -> tuple:
-    """What the rows are a function of: the tokenizer's bytes, the dataset's fingerprint, the
-    special ids, and the pair kind, seed, sample size and row length (and the dataset's
-    directory, which the rows' ``source`` names)."""
+    """What the rows are a function of: the tokenizer's bytes, the dataset's fingerprint (the
+    run's, or that of the ``--data`` an imported run was given), the special ids, and the pair
+    kind, seed, sample size and row length (and the dataset's directory, which the rows'
+    ``source`` names)."""
     tokenizer = files.file_sha256(run.tokenizer_path)
-    return (tokenizer, run.info.get("dataset_fingerprint"), run.info.get("dataset"),
+    given = (None if settings.data is None or settings.pairs not in pairs_lib.KINDS else
+             open_run_dataset(run, Path(settings.data)).fingerprint)  # an imported run's
+    return (tokenizer, run.info.get("dataset_fingerprint"), run.info.get("dataset"), given,
+            settings.data,
             tuple(sorted(run.specials.items())), settings.pairs, settings.seed,
             settings.max_pairs, settings.seq_len, settings.negatives, settings.negatives_skip)
 
@@ -69,7 +74,7 @@ def _content_key(run: LoadedRun, settings) -> tuple:
 def _make_pair_rows(run: LoadedRun, settings) -> tuple[dict, str]:
     tokenizer = load_tokenizer(run.tokenizer_path)
     if settings.pairs in pairs_lib.KINDS:
-        dataset = open_run_dataset(run)
+        dataset = open_run_dataset(run, None if settings.data is None else Path(settings.data))
         found = pairs_lib.corpus_pairs(
             pairs_lib.document_texts(dataset, "train", tokenizer), settings.pairs,
             settings.seed, f"{dataset.path} (train split)", settings.max_pairs)

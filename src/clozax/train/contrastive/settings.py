@@ -16,7 +16,9 @@ from clozax.train.checks import check_choice, check_int, check_real
 SPEED_ONLY = ("chunks", "save_every", "save_every_minutes")  # a resume may change them
 NEGATIVES = ("none", "bm25")
 # Settings recorded only when set (a stage from before they existed has none of them)
-OPTIONAL = ("negatives", "negatives_skip", "pack")
+OPTIONAL = {"negatives": lambda s: s.negatives != "none",
+            "negatives_skip": lambda s: s.negatives != "none",
+            "pack": lambda s: s.pack, "data": lambda s: s.data is not None}
 NEGATIVES_FILE = "negatives.jsonl"  # a bm25 stage's mined (query, positive, negative) triples
 
 
@@ -40,6 +42,7 @@ class StageSettings:
     negatives: str = "none"  # "bm25": a hard negative per corpus pair, mined by BM25
     negatives_skip: int = SKIP  # BM25's best-ranked passed over (likely positives)
     pack: bool = False  # several texts to a row, each attending to itself (fewer rows)
+    data: str | None = None  # an imported encoder's corpus: a prepared dataset's directory
     random_init: bool = False  # start from the source's architecture at init (the control)
     save_every: int = 100  # a checkpoint every this many updates (and at the end)
     save_every_minutes: float | None = None  # also when this much time has passed
@@ -82,7 +85,6 @@ class StageSettings:
 
     def identity(self) -> dict:
         """The settings that make the numbers (a resume must keep them)."""
-        unset = (OPTIONAL[:2] if self.negatives == "none" else ()) + (
-            () if self.pack else OPTIONAL[2:])  # as recorded before these existed
-        return {k: v for k, v in dataclasses.asdict(self).items()
+        unset = tuple(k for k, is_set in OPTIONAL.items() if not is_set(self))  # as before
+        return {k: v for k, v in dataclasses.asdict(self).items()  # they existed
                 if k not in SPEED_ONLY + ("steps", "minutes", "budget_revisions") + unset}

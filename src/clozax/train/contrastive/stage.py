@@ -65,7 +65,13 @@ from clozax.train.interrupts import Interrupts
 from clozax.train.layout import CONFIG_FILE, RUN_FILE, TOKENIZER_FILE
 from clozax.train.mesh import from_host, make_mesh, place
 from clozax.train.observe import TrainLog
-from clozax.train.run_dir import LoadedRun, load_run, lock_run, read_config
+from clozax.train.run_dir import (
+    LoadedRun,
+    load_run,
+    lock_run,
+    open_run_dataset,
+    read_config,
+)
 
 
 @dataclass
@@ -108,7 +114,7 @@ def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -
                   Keys.from_seed(settings.seed).mask, settings, run.specials)
     if settings.pack:  # the most rows any of its batches fills (the last length, replayed)
         end = max([steps, *(n for _, n in settings.budget_revisions)])
-        stage.packed = packed_counts(rows, (_chosen(stage, i) for i in range(end)),
+        stage.packed = packed_counts(rows, (pairs_at(stage, i) for i in range(end)),
                                      run.specials["pad"], mesh.devices.size)
     return stage
 
@@ -142,14 +148,15 @@ def _jitted_step(model_config, optim, steps: int, pooling: str, temperature: flo
 def batch_at(stage: Stage, i: int) -> dict:
     """Batch ``i``: a keyed permutation of the pairs per epoch, the remainder of an epoch left
     out; a pure function of ``(seed, i)``. ``--pack``: each side packed (``rows.py``)."""
-    chosen = _chosen(stage, i)
+    chosen = pairs_at(stage, i)
     arrays = ({s: stage.rows[s][chosen] for s in stage.rows} if stage.packed is None else
               packed_batch(stage.rows, chosen, stage.specials["pad"], stage.packed))
     keys = sorted(arrays)  # every process holds every pair: each builds its own shards
     return dict(zip(keys, from_host(stage.sharding, [arrays[k] for k in keys]), strict=True))
 
 
-def _chosen(stage: Stage, i: int) -> np.ndarray:
+def pairs_at(stage: Stage, i: int) -> np.ndarray:
+    """Batch ``i``'s pair indices [B] (what ``benchmarks/mnrl_parity.py`` feeds MNRL too)."""
     n, b = len(stage.rows["query"]), stage.settings.batch_size
     epoch, k = divmod(i, n // b)
     order = np.random.default_rng([stage.settings.seed, epoch, 17]).permutation(n)
@@ -241,8 +248,12 @@ def _write_new(out: Path, run: LoadedRun, stage: Stage, info: dict) -> None:
     # source's run.json; ``init_from`` names the source, as ``clozax train --init-from`` does,
     # so what the encoder pretrained on (judge/overlap.py) is found through it: every phase's
     # dataset and the source's own ``--init-from`` chain.
+    given = {}  # an imported source's --data: the corpus this run read, as train records it
+    if stage.settings.data is not None:
+        data = open_run_dataset(run, Path(stage.settings.data))
+        given = {"dataset": str(data.path), "dataset_fingerprint": data.fingerprint}
     files.write_json(out / RUN_FILE, {
-        **{k: v for k, v in run.info.items() if k != "phases"},
+        **{k: v for k, v in run.info.items() if k != "phases"}, **given,
         "init_from": str(Path(run.path).absolute()),
         "trained_length": run.trained_length, "has_mlm_head": False, "stage": info},
         sort_keys=True)
