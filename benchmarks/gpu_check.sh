@@ -111,7 +111,7 @@ if stage 1; then
         --set train.eval_every=1000 "${TRAIN[@]}" "${set_unroll[@]}" > "$run.log" 2>&1 \
         || fail "compile, unroll $unroll, $cache cache (see $run.log)"
       seconds=$(first_step "$run.log")
-      echo "unroll $unroll, $cache cache: compile + first step ${seconds:+$seconds s}${seconds:-not measured}"
+      echo "unroll $unroll, $cache cache: compile + first step ${seconds:-not measured}${seconds:+ s}"
     done
   done | tee "$OUT/compile.txt"
 fi

@@ -61,6 +61,21 @@ def pytest_configure(config):
                                       "clozax-suite-profile")
 
 
+# The files that take longest (each over a minute of a worker's time; measured 2026-12-06),
+# longest first. ``--dist loadfile`` hands a worker its next file when it finishes one, in
+# collection order: started first, no long file is left to one worker while the other idles.
+LONG_FILES = ("test_gpu_check.py", "test_distributed.py", "test_embed.py",
+              "test_crash_consistency.py", "test_demo.py", "test_finetune.py",
+              "test_reliability.py", "test_modern.py", "test_phases.py", "test_train.py",
+              "test_embed_negatives.py", "test_hostmem.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long files first (``LONG_FILES``), the rest in their order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+
+
 TINY_OVERRIDES = [
     "train.batch_size=8",
     "train.steps=6",

@@ -1,6 +1,6 @@
 """The contrastive stage (``clozax embed``) and the retrieval comparison (``clozax retrieval``):
-InfoNCE as its formula, gradient caching equal to the whole batch, one device equal to four,
-a stage run resumed bitwise, pairs from the train split only and a retrieval set from the
+InfoNCE as its formula, gradient caching equal to the whole batch (one device equal to four:
+``test_embed_negatives.py``), a stage run resumed bitwise, pairs from the train split only and a retrieval set from the
 held-out split only, and bad pair files refused in one line."""
 
 from __future__ import annotations
@@ -80,38 +80,7 @@ def test_gradient_caching_gives_the_whole_batch_loss_and_gradient(tiny_run):
     assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
 
 
-DEVICE_SCRIPT = r"""
-import json, sys
-import jax, numpy as np
-from clozax.train.contrastive.stage import StageSettings, train_in_memory
-from clozax.train.mesh import make_mesh
-from clozax.train.run_dir import load_run
-run = load_run(sys.argv[1])
-res = {}
-for n, chunks in ((1, 1), (4, 1), (4, 2)):
-    s = StageSettings(steps=3, batch_size=8, seq_len=24, dropout=0.0, chunks=chunks)
-    params, losses = train_in_memory(run, s, make_mesh(n))
-    res[f"{n}x{chunks}"] = {"losses": losses, "params": [
-        np.asarray(x).ravel()[:64].tolist() for x in jax.tree.leaves(params)]}
-print(json.dumps(res))
-"""
-
-
-@pytest.mark.slow
-def test_one_device_four_devices_and_cached_chunks_train_the_same_stage(tiny_run):
-    """The contrastive batch is the global batch: on 4 simulated devices (the in-batch
-    negatives gathered across them), and with the gradient cache on top, three updates give
-    the one-device losses and parameters (to rounding: the summation order differs)."""
-    ran = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT, str(tiny_run)],
-                         env=simulated_devices(4), capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    res = json.loads(ran.stdout.strip().splitlines()[-1])
-    one = res["1x1"]
-    for name in ("4x1", "4x2"):
-        np.testing.assert_allclose(res[name]["losses"], one["losses"], rtol=1e-4)
-        # as one vector: a tensor the loss never reaches (the MLM head) moves by rounding only
-        a, b = (np.concatenate([np.asarray(x) for x in r["params"]]) for r in (one, res[name]))
-        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+# One device against four (with and without hard negatives): test_embed_negatives.py
 
 
 def test_a_stopped_stage_resumes_to_the_same_bits_as_one_without_a_stop(tiny_run, tmp_path):
@@ -580,3 +549,45 @@ def test_a_run_replaced_at_the_same_path_gets_its_own_pairs_not_the_cached_ones(
     for side in own:
         np.testing.assert_array_equal(again[side], own[side])
     assert not all(np.array_equal(first[s], own[s]) for s in own if s in first)
+
+
+def test_encoding_in_length_sorted_narrow_batches_gives_each_texts_full_width_embedding(
+        tiny_run):
+    """``clozax retrieval`` encodes longest first, each batch cut to the power of two that
+    holds its longest text: every text's embedding is the one it has in a row of the full
+    length, in the order given, to rounding (the cut columns were padding)."""
+    from clozax.judge.retrieval.compare import ENCODE_BATCH, _jitted_encoder, encode, width_for
+
+    run = load_run(tiny_run)
+    rng = np.random.default_rng(0)
+    words = "socket parse thread gzip date pattern request random lock queue".split()
+    texts = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(1, 60, 150)]
+    pad = run.specials["pad"]
+    ids = pairs_lib.tokenize(load_tokenizer(run.tokenizer_path), texts, 64, run.specials["cls"],
+                             run.specials["sep"], pad)
+    assert len({width_for(int(n), 64) for n in (ids != pad).sum(axis=1)}) >= 3
+    apply = _jitted_encoder(dataclasses.replace(run.config.model, dropout=0.0), "mean", pad)
+    full = np.concatenate([np.asarray(apply(run.params, jnp.asarray(np.pad(
+        ids[i:i + ENCODE_BATCH], ((0, max(0, i + ENCODE_BATCH - len(ids))), (0, 0)),
+        constant_values=pad))))[:len(ids[i:i + ENCODE_BATCH])]
+        for i in range(0, len(ids), ENCODE_BATCH)])
+    narrow = encode(run.params, run.config.model, run, texts, 64, "mean")
+    np.testing.assert_allclose(narrow, full, atol=1e-5)
+    assert encode(run.params, run.config.model, run, [], 64, "mean").shape == (
+        0, run.config.model.hidden)
+
+
+def test_the_mnrl_side_of_the_quality_benchmark_follows_the_stages_schedule():
+    """``benchmarks/mnrl_parity.py`` trains MNRL at the stage's rate, update by update (the
+    first at 0, a tenth of the length warming up, linear decay to 0)."""
+    from pathlib import Path
+
+    from clozax.train.contrastive.step import stage_rate
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import mnrl_parity
+
+    for steps in (1, 2, 10, 37, 200):
+        for count in range(steps):
+            want = float(stage_rate(1.0)(count, steps))
+            assert abs(mnrl_parity.rate(count, steps) - want) < 1e-6, (count, steps)

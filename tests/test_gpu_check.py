@@ -40,7 +40,8 @@ def test_every_stage_runs_and_the_check_passes(quick_run):
 
 def test_it_prints_every_figure_the_issue_asks_for(quick_run):
     _, output = quick_run
-    assert len(re.findall(r"(cold|warm) cache: compile \+ first step [0-9.]+ s", output)) == 2
+    assert len(re.findall(r"(cold|warm) cache: compile \+ first step [0-9.]+ s$", output,
+                          re.M)) == 2
     for command in COMMANDS:
         assert re.search(rf"^smoke: {command} exit 0 \(\d+ s\)$", output, re.M), command
     rows = re.findall(r"^\s+128 (rows|documents|window)\s+(\w+)\s+[0-9.]+\s+[0-9.]+", output,
