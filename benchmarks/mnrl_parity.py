@@ -78,7 +78,8 @@ def rate(count: int, steps: int) -> float:
 def train_mnrl(model_dir: str, run, settings: StageSettings):
     """The MNRL side of one seed: a ``SentenceTransformer`` trained on the stage's batches."""
     import torch
-    from sentence_transformers import SentenceTransformer, losses
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import losses
 
     torch.manual_seed(settings.seed)
     stage = make_stage(run, dataclasses.replace(settings, pack=False), settings.steps)

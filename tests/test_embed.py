@@ -1,7 +1,7 @@
 """The contrastive stage (``clozax embed``) and the retrieval comparison (``clozax retrieval``):
 InfoNCE as its formula, gradient caching equal to the whole batch (one device equal to four:
-``test_embed_negatives.py``), a stage run resumed bitwise, pairs from the train split only and a retrieval set from the
-held-out split only, and bad pair files refused in one line."""
+``test_embed_negatives.py``), a stage run resumed bitwise, pairs from the train split only and
+a retrieval set from the held-out split only, and bad pair files refused in one line."""
 
 from __future__ import annotations
 

@@ -85,6 +85,7 @@ class StageSettings:
 
     def identity(self) -> dict:
         """The settings that make the numbers (a resume must keep them)."""
-        unset = tuple(k for k, is_set in OPTIONAL.items() if not is_set(self))  # as before
-        return {k: v for k, v in dataclasses.asdict(self).items()  # they existed
+        # left out when unset, as a stage from before they existed recorded them
+        unset = tuple(k for k, is_set in OPTIONAL.items() if not is_set(self))
+        return {k: v for k, v in dataclasses.asdict(self).items()
                 if k not in SPEED_ONLY + ("steps", "minutes", "budget_revisions") + unset}
