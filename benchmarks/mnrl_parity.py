@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -51,6 +50,7 @@ from clozax.judge.retrieval.heldout_set import heldout_set  # noqa: E402
 from clozax.judge.retrieval.search import as_run, blocks, top_k  # noqa: E402
 from clozax.train.contrastive.settings import StageSettings  # noqa: E402
 from clozax.train.contrastive.stage import make_stage, pairs_at  # noqa: E402
+from clozax.train.contrastive.step import stage_rate  # noqa: E402
 from clozax.train.run_dir import load_run  # noqa: E402
 
 CLIP, WEIGHT_DECAY = 1.0, 0.01
@@ -68,11 +68,16 @@ def stage_settings(result: dict) -> StageSettings:
 
 
 def rate(count: int, steps: int) -> float:
-    """``stage_rate``'s multiplier of the peak at update ``count`` (0-based)."""
-    warmup = min(max(math.ceil(steps / 10), 1), max(steps - 1, 0))
-    if count < warmup:
-        return count / max(warmup, 1)
-    return 1.0 - min(max((count - warmup) / max(steps - warmup, 1), 0.0), 1.0)
+    """``stage_rate``'s multiplier of the peak at update ``count`` (0-based): the stage's own
+    function, so the two sides cannot drift apart."""
+    return float(stage_rate(1.0)(count, steps))
+
+
+def torch_schedule(optimizer, steps: int):
+    """The stage's schedule on a torch optimizer: ``step()`` it after each update."""
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda count: rate(count, steps))
 
 
 def train_mnrl(model_dir: str, run, settings: StageSettings):
@@ -89,8 +94,7 @@ def train_mnrl(model_dir: str, run, settings: StageSettings):
     loss_fn = losses.MultipleNegativesRankingLoss(model, scale=1 / settings.temperature)
     optimizer = hf_adamw(model, settings.learning_rate, (0.9, 0.999), 1e-8, WEIGHT_DECAY,
                          fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda count: rate(count, settings.steps))
+    schedule = torch_schedule(optimizer, settings.steps)
     sides = [s for s in ("query", "positive", "negative") if s in stage.rows]
     losses_seen = []
     for i in range(settings.steps):

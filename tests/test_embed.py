@@ -578,16 +578,23 @@ def test_encoding_in_length_sorted_narrow_batches_gives_each_texts_full_width_em
 
 
 def test_the_mnrl_side_of_the_quality_benchmark_follows_the_stages_schedule():
-    """``benchmarks/mnrl_parity.py`` trains MNRL at the stage's rate, update by update (the
-    first at 0, a tenth of the length warming up, linear decay to 0)."""
+    """``benchmarks/mnrl_parity.py``'s torch optimizer runs each update at the stage's rate
+    (the first at 0, a tenth of the length warming up, linear decay to 0): torch's scheduler
+    indexes its updates as optax's count does."""
     from pathlib import Path
+
+    import torch
 
     from clozax.train.contrastive.step import stage_rate
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import mnrl_parity
 
-    for steps in (1, 2, 10, 37, 200):
+    for steps in (1, 2, 10, 37):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+        schedule = mnrl_parity.torch_schedule(optimizer, steps)
         for count in range(steps):
-            want = float(stage_rate(1.0)(count, steps))
-            assert abs(mnrl_parity.rate(count, steps) - want) < 1e-6, (count, steps)
+            want = float(stage_rate(3e-4)(count, steps))
+            assert abs(optimizer.param_groups[0]["lr"] - want) < 1e-10, (count, steps)
+            optimizer.step()
+            schedule.step()

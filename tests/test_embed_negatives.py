@@ -284,8 +284,7 @@ def test_corpus_pairs_from_an_imported_run_are_refused_in_one_line_naming_the_wa
         capsys, tiny_run_copy, tmp_path):
     """An imported encoder has no corpus of its own (``run.json``'s ``dataset`` is None): the
     stage says so and what to do, instead of "trained on dataset 'None'"."""
-    info = json.loads((tiny_run_copy / "run.json").read_text())
-    (tiny_run_copy / "run.json").write_text(json.dumps({**info, "dataset": None}))
+    _as_imported(tiny_run_copy)
     line = one_line_error(capsys, "embed", tiny_run_copy, "--out", tmp_path / "s", "--steps", 1,
                           "--batch-size", 8)
     assert "has no dataset of its own" in line and "'None'" not in line

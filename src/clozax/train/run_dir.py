@@ -322,17 +322,17 @@ def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_datas
             f"continue pretraining it on a prepared dataset first (`clozax train --init-from "
             f"{run.path}`)"
         )
-    if path is not None and not recorded:
-        return _data_for_imported(run, Path(path), opener)
     path = Path(path if path is not None else recorded)
     if not path.is_dir():
         raise ValueError(
             f"run {run.path} was trained on dataset {str(recorded)!r}, which does not exist "
             "here; restore that directory (or re-run `clozax prepare` with the same options)"
+            if recorded else f"--data {path} does not exist; prepare it with `clozax prepare "
+            f"--tokenizer {run.tokenizer_path}` or name another directory"
         )
     dataset = opener(path)
     mismatches = []
-    if run.info.get("dataset_fingerprint") != dataset.fingerprint:
+    if recorded and run.info.get("dataset_fingerprint") != dataset.fingerprint:
         mismatches.append(f"fingerprint {str(run.info.get('dataset_fingerprint'))[:12]} vs "
                           f"{dataset.fingerprint[:12]}")
     if run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
@@ -343,6 +343,12 @@ def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_datas
     if dataset.seq_len > run.config.model.max_positions:
         mismatches.append(f"seq_len {dataset.seq_len} > max_positions "
                           f"{run.config.model.max_positions}")
+    if mismatches and not recorded:  # an imported run: any data its tokenizer and length fit
+        raise ValueError(
+            f"--data {path} was prepared with another tokenizer or length than run {run.path} "
+            f"takes ({'; '.join(mismatches)}); prepare it with `clozax prepare --tokenizer "
+            f"{run.tokenizer_path}` and a --seq-len of at most {run.config.model.max_positions}"
+        )
     if mismatches:
         raise ValueError(
             f"checkpoint whose config does not match the data: run {run.path} vs dataset {path} "
@@ -350,20 +356,3 @@ def open_run_dataset(run: LoadedRun, path: Path | None = None, opener=open_datas
         )
     return dataset
 
-
-def _data_for_imported(run: LoadedRun, path: Path, opener) -> Dataset:
-    """A dataset given to an imported run (which pretrained on text clozax never saw): any
-    prepared with the run's own tokenizer, at a length its positions hold."""
-    if not path.is_dir():
-        raise ValueError(f"--data {path} does not exist; prepare it with `clozax prepare "
-                         f"--tokenizer {run.tokenizer_path}` or name another directory")
-    dataset = opener(path)
-    if run.info.get("tokenizer_sha256") != dataset.tokenizer_sha256:
-        raise ValueError(f"--data {path} was prepared with another tokenizer than run "
-                         f"{run.path}'s; prepare it with `clozax prepare --tokenizer "
-                         f"{run.tokenizer_path}`")
-    if dataset.seq_len > run.config.model.max_positions:
-        raise ValueError(f"--data {path} has rows of {dataset.seq_len} tokens, more than run "
-                         f"{run.path}'s {run.config.model.max_positions} positions; prepare it "
-                         "with a smaller --seq-len")
-    return dataset

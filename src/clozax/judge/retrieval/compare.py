@@ -61,17 +61,14 @@ def encode(params, model_config, run: LoadedRun, texts: list[str], seq_len: int,
     apply = _jitted_encoder(dataclasses.replace(model_config, dropout=0.0), pooling, s["pad"])
     lengths = (ids != s["pad"]).sum(axis=1)
     order = np.argsort(-lengths, kind="stable")
-    out = None
+    out = np.empty((len(ids), model_config.hidden), np.float32)  # [N, H]
     for start in range(0, len(ids), ENCODE_BATCH):
         chosen = order[start:start + ENCODE_BATCH]
         block = ids[chosen, :width_for(int(lengths[chosen].max()), seq_len)]
         padded = np.pad(block, ((0, ENCODE_BATCH - len(block)), (0, 0)),
                         constant_values=s["pad"])
-        embedded = np.asarray(apply(params, jnp.asarray(padded)))[:len(block)]
-        if out is None:
-            out = np.empty((len(ids), embedded.shape[1]), embedded.dtype)
-        out[chosen] = embedded
-    return out if out is not None else np.zeros((0, model_config.hidden), np.float32)
+        out[chosen] = np.asarray(apply(params, jnp.asarray(padded)))[:len(block)]
+    return out
 
 
 def width_for(longest: int, seq_len: int) -> int:
