@@ -196,6 +196,103 @@ def test_retrieval_prints_bm25_raw_and_both_stages_with_the_interval(capsys, tin
     assert 0 <= result["rows"]["bm25"]["ndcg@10"] <= 1
 
 
+def test_a_stage_withholding_validation_pairs_none_of_its_tenth_which_is_the_validation_set(
+        tiny_run, stdlib_data):
+    """``withhold_validation``: no pair (nor its mined negative) comes from the train split's
+    validation tenth (a tenth of its groups, each whole, as the held-out split is cut), and the
+    validation set's queries and documents are that tenth's alone."""
+    from clozax.train.contrastive.rows import pair_rows
+
+    dataset = open_dataset(stdlib_data)
+    tok = load_tokenizer(stdlib_data / "tokenizer.json")
+    train = dict(pairs_lib.document_texts(dataset, "train", tok))
+    records = list(dataset.documents("train"))
+    tenth = {str(d["id"]) for d in records if pairs_lib.in_validation(d)}
+    groups = {d["group"] for d in records}
+    withheld_groups = {d["group"] for d in records if str(d["id"]) in tenth}
+    assert 0.05 < len(withheld_groups) / len(groups) < 0.15  # a tenth of the modules, whole:
+    assert not {d["group"] for d in records if str(d["id"]) not in tenth} & withheld_groups
+    assert set(dict(pairs_lib.document_texts(dataset, "train", tok, validation=True))) == \
+        tenth & set(train)
+    found, described = heldout_set(load_run(tiny_run), max_queries=10**6, split="validation")
+    assert described["split"] == "validation" and set(found.documents) <= tenth
+    assert {q.removeprefix("q-") for q in found.queries} <= tenth
+    run = load_run(tiny_run)
+    shape = {**STAGE, "seq_len": 64}  # long enough that no two rests share a row
+    rows, source = pair_rows(run, StageSettings(**shape, negatives="bm25",
+                                                withhold_validation=True))
+    assert "validation tenth withheld" in source
+    s = run.specials
+
+    def as_rows(texts):
+        return {tuple(r) for r in pairs_lib.tokenize(tok, list(texts), 64, s["cls"], s["sep"],
+                                                     s["pad"])}
+
+    def rest(text):
+        pair = pairs_lib.first_sentence(text)
+        return " ".join(text.split()) if pair is None else pair[1]
+
+    # the tenth's rests (and whole short ones) but a text some other document also has
+    withheld = as_rows(found.documents.values()) - as_rows(
+        rest(t) for i, t in train.items() if i not in tenth)
+    assert rows["positive"].size and not {
+        tuple(r) for side in ("positive", "negative") for r in rows[side]} & withheld
+    everything, _ = pair_rows(run, StageSettings(**shape, negatives="bm25"))
+    assert len(everything["query"]) > len(rows["query"])
+    assert {tuple(r) for r in everything["positive"]} & withheld
+
+
+def test_retrieval_chooses_the_peak_on_validation_and_scores_the_held_out_set_with_it_only(
+        capsys, tiny_run, tmp_path):
+    """``--learning-rates``: each peak's first-seed stage is scored on the validation tenth,
+    the best is the stage's peak, and its first seed on the held-out set is the model a stage
+    of that peak trains (kept, not retrained); ``--no-control`` runs no random-init stage."""
+    from clozax.judge.retrieval.compare import dense_scores
+
+    out = tmp_path / "retrieval.json"
+    ran = clozax(capsys, "retrieval", tiny_run, "--seeds", "2", "--steps", "3",
+                 "--batch-size", "8", "--seq-len", "24", "--max-queries", "40", "--out", out,
+                 "--learning-rates", "1e-4,5e-3", "--no-control")
+    assert ran.code == 0, ran.err
+    result = json.loads(out.read_text())
+    choice = result["learning_rate_choice"]
+    assert set(choice["candidates"]) == {"0.0001", "0.005"}
+    assert choice["on"]["split"] == "validation" and result["set"]["split"] == "heldout"
+    assert set(choice["raw"]) == {"ndcg@10", "mrr@10", "recall@100"}
+    best = max(choice["candidates"], key=lambda r: choice["candidates"][r]["ndcg@10"])
+    assert result["stage"]["learning_rate"] == float(best) == choice["learning_rate"]
+    assert result["stage"]["withhold_validation"] is True
+    assert "random_init_stage" not in result["rows"] and "random init" not in ran.out
+    assert set(result["differences_ndcg@10"]) == {"trained_stage_minus_bm25",
+                                                  "trained_stage_minus_raw"}
+    assert f"peak chosen on validation: {float(best):g}" in ran.out
+    run = load_run(tiny_run)
+    settings = StageSettings(steps=3, batch_size=8, seq_len=24, learning_rate=float(best),
+                             withhold_validation=True)
+    found, _ = heldout_set(run, max_queries=40)
+    again = dense_scores(train_in_memory(run, settings)[0], run.config.model, run, found, 24,
+                         "mean")
+    assert result["rows"]["trained_stage"]["per_seed"][0] == again
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--learning-rates", "1e-4,abc"], "give positive peaks separated by commas"),
+    (["--learning-rates", "1e-4,-1"], "give positive peaks separated by commas"),
+    (["--learning-rates", "1e-4,1e-4"], "a peak is given twice"),
+    (["--learning-rates", "1e-4,1e-3", "--beir", "."], "with --beir give one --learning-rate"),
+    (["--learning-rates", "1e-4,1e-3", "--pairs", "PAIRS"], "a pair file gives its own pairs"),
+])
+def test_a_bad_learning_rate_choice_is_one_line_and_nothing_is_written(capsys, tiny_run,
+                                                                        tmp_path, extra, words):
+    pair_file = tmp_path / "pairs.jsonl"
+    pair_file.write_text("".join(json.dumps({"query": f"q {i}", "positive": f"p {i}"}) + "\n"
+                                 for i in range(16)))
+    extra = [str(pair_file) if x == "PAIRS" else x for x in extra]
+    line = one_line_error(capsys, "retrieval", tiny_run, "--steps", "1", "--batch-size", "8",
+                          "--out", tmp_path / "r.json", *extra)
+    assert words in line and not (tmp_path / "r.json").exists()
+
+
 @pytest.mark.slow
 def test_sigterm_saves_the_step_a_second_writer_is_refused_and_the_stage_resumes(
         capsys, tiny_run, tmp_path):

@@ -48,6 +48,20 @@ def _data(data: Path | None) -> str | None:
     return None if data is None else str(data.absolute())
 
 
+def _rates(given: str | None) -> tuple[float, ...]:
+    """``--learning-rates``' peaks, each a positive number; () without it."""
+    if given is None:
+        return ()
+    try:
+        rates = tuple(float(x) for x in given.split(","))
+    except ValueError:
+        rates = ()
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise ValueError(f"--learning-rates {given!r}: give positive peaks separated by commas, "
+                         "e.g. 2e-5,5e-5,1e-4")
+    return rates
+
+
 def embed(
     run: Annotated[Path, typer.Argument(help="Run directory (clozax train or import-hf).")],
     out: Annotated[Path, Opt(help="The stage's run directory (new, or one to resume).")],
@@ -113,6 +127,15 @@ def retrieval(
     dropout: Dropout = 0.1, seed: Seed = 0, max_pairs: MaxPairs = None,
     negatives: Negatives = "none", negatives_skip: NegativesSkip = 3, pack: Pack = False,
     data: Data = None,
+    learning_rates: Annotated[str | None, Opt(help="Instead of --learning-rate: peaks to "
+                                                   "choose from (e.g. 2e-5,5e-5,1e-4), on "
+                                                   "retrieval over the train split's "
+                                                   "validation tenth, which every stage then "
+                                                   "leaves out of its pairs; the held-out set "
+                                                   "is scored with the chosen one only.")]
+    = None,
+    control: Annotated[bool, Opt(help="Also run the random-init control through the stage "
+                                      "(as costly as the stage itself).")] = True,
 ):
     """Score retrieval: BM25, the raw encoder, and random-init vs trained through the stage."""
     from clozax.train import compile_cache
@@ -130,7 +153,8 @@ def retrieval(
                              dropout=dropout, seed=seed, max_pairs=max_pairs,
                              negatives=negatives, negatives_skip=negatives_skip, pack=pack,
                              data=_data(data))
-    result = retrieval_run(run, settings, seeds, beir, split, max_queries, out)
+    result = retrieval_run(run, settings, seeds, beir, split, max_queries, out,
+                           learning_rates=_rates(learning_rates), control=control)
     for name, d in result["differences_ndcg@10"].items():
         print(f"nDCG@10 {name.replace('_', ' ')}: {difference_words(d)}")
     print(f"wrote {result['path']} ({result['seconds']:.0f} s)")

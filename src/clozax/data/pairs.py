@@ -31,6 +31,10 @@ from clozax.data.split import group_key
 KINDS = ("first-sentence", "simcse", "crops")
 MIN_WORDS = 3  # each side of a corpus pair has at least this many words
 CROP_SHARES = (0.1, 0.5)  # a crop's share of the document's words (Contriever)
+# The train groups a stage may be told to leave out of its pairs, so that its settings are
+# chosen on retrieval over their documents (``judge/retrieval/heldout_set.py``): a keyed
+# tenth, the same for every seed
+VALIDATION_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -47,17 +51,30 @@ class Pairs:
         return len(self.queries)
 
 
-def document_texts(dataset, split: str, tokenizer) -> Iterator[tuple[str, str]]:
+def document_texts(dataset, split: str, tokenizer,
+                   validation: bool | None = None) -> Iterator[tuple[str, str]]:
     """``(document id, text)`` of each document of ``split``, decoded from its packed chunks
-    (special tokens left out), streamed shard by shard."""
+    (special tokens left out), streamed shard by shard. ``validation``: only the documents
+    whose group is (True) or is not (False) in the validation tenth (``in_validation``)."""
     part, specials = getattr(dataset, split), set(dataset.specials.values())
     for doc in dataset.documents(split):
+        if validation is not None and in_validation(doc) != validation:
+            continue
         ids: list[int] = []
         for row, segment in doc.get("chunks") or []:
             piece = np.asarray(part.tokens[row])[np.asarray(part.segments[row]) == segment]
             ids += [int(t) for t in piece if int(t) not in specials]
         if ids:
             yield str(doc["id"]), tokenizer.decode(ids)
+
+
+def in_validation(document: dict) -> bool:
+    """Whether a train document (its manifest record) is in the validation tenth: a keyed
+    tenth of the train split's *groups* (the document itself when it has none), as the
+    held-out split is cut by group, so that validation stands to the pairs as the held-out
+    split does (a built-in docstring's module-mates are on its side)."""
+    group = document.get("group") or document["id"]
+    return group_key(f"validation:{group}", 0) / 2**64 < VALIDATION_FRACTION
 
 
 def first_sentence(text: str) -> tuple[str, str] | None:

@@ -8,6 +8,14 @@ interval over seeds (``judge/claims.py`` ``seed_difference``). Given a stage's o
 embed``'s ``--out``), its source is the trained encoder, its settings the stage's, and the run
 itself is scored as one more row.
 
+``learning_rates`` (``--learning-rates A,B,...``): the stage's peak chosen on validation, never
+on the set it is scored on. Every stage then leaves the train split's validation tenth out of
+its pairs (``withhold_validation``); each candidate trains once (the first seed) and is scored
+on that tenth's first-sentence→rest set (``heldout_set(split="validation")``); the best nDCG@10
+(the first on a tie) is the stage's peak, its first-seed model kept as the first seed's, and only
+then is the held-out set scored. ``control=False`` (``--no-control``) leaves out the random-init
+control, which costs as much as the stage and says little of a published encoder.
+
 The set: the user's in BEIR's layout (``--beir DIR``), or the held-out construction of
 ``judge/retrieval/heldout_set.py``. Dense search is exact, in blocks (``top_k``), cosine similarity.
 Every row is scored as BEIR scores it (``EvaluateRetrieval.evaluate`` with its defaults): a
@@ -102,17 +110,20 @@ RESULT_FILE = "retrieval.json"
 
 def retrieval_run(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | None = None,
                   split: str = "test", max_queries: int = 500, out: Path | None = None,
-                  say=print) -> dict:
+                  say=print, learning_rates: tuple[float, ...] = (),
+                  control: bool = True) -> dict:
     """``compare``, written to ``out`` (default ``RUN/retrieval.json``, which the report
     reads) with its path under ``"path"``."""
-    result = compare(run_dir, settings, seeds, beir, split, max_queries, say)
+    result = compare(run_dir, settings, seeds, beir, split, max_queries, say, learning_rates,
+                     control)
     target = Path(out) if out is not None else Path(run_dir) / RESULT_FILE
     files.write_json(target, result)
     return {**result, "path": str(target)}
 
 
 def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | None = None,
-            split: str = "test", max_queries: int = 500, say=print) -> dict:
+            split: str = "test", max_queries: int = 500, say=print,
+            learning_rates: tuple[float, ...] = (), control: bool = True) -> dict:
     """Every row (see the module docstring) and the differences, as a JSON-ready dict."""
     started = time.perf_counter()
     given = load_run(run_dir)
@@ -124,7 +135,19 @@ def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | Non
             raise ValueError(f"--data {settings.data}: stage {run_dir} trained on "
                              f"{trained_on}, which its retrieval set is built from; leave "
                              "--data out")
+        if learning_rates:
+            raise ValueError(f"--learning-rates: stage {run_dir} has its own peak "
+                             f"({stage_info['learning_rate']:g}); choose one for the encoder it "
+                             "was trained from (clozax retrieval SOURCE_RUN --learning-rates ...)")
         settings = _recorded(stage_info, settings, given.config.train.steps)
+    chosen = None
+    if learning_rates:
+        if beir is not None:
+            raise ValueError("--learning-rates chooses the peak on the corpus's validation "
+                             "tenth, for its held-out set; with --beir give one --learning-rate")
+        settings = dataclasses.replace(settings, withhold_validation=True)
+        chosen = choose_learning_rate(source, settings, learning_rates, max_queries, say)
+        settings = dataclasses.replace(settings, learning_rate=chosen["learning_rate"])
     found, described = _the_set(source, beir, split, max_queries, settings.data)
     say(f"retrieval set: {described['queries']:,} queries, {described['documents']:,} "
         f"documents ({described['construction']})")
@@ -141,12 +164,45 @@ def compare(run_dir: Path, settings: StageSettings, seeds: int, beir: Path | Non
     per_seed = {"random_init_stage": [], "trained_stage": []}
     for i in range(seeds):
         for name, random_init in (("random_init_stage", True), ("trained_stage", False)):
+            if random_init and not control:
+                continue
             s = dataclasses.replace(settings, seed=settings.seed + i, random_init=random_init)
-            params, _ = train_in_memory(source, s)
+            kept = chosen is not None and i == 0 and not random_init
+            params = chosen.pop("params") if kept else train_in_memory(source, s)[0]
             per_seed[name].append(dense_scores(params, source.config.model, source, found,
                                                s.seq_len, s.pooling))
             say(_line(f"{name.replace('_', ' ')} (seed {s.seed})", per_seed[name][-1]))
-    return _summary(rows, per_seed, described, settings, seeds, source, started)
+    return _summary(rows, per_seed, described, settings, seeds, source, started, chosen)
+
+
+def choose_learning_rate(source: LoadedRun, settings: StageSettings,
+                         learning_rates: tuple[float, ...], max_queries: int, say) -> dict:
+    """The peak of ``learning_rates`` whose first-seed stage (the validation tenth withheld)
+    scores the best nDCG@10 on that tenth's set, the first on a tie: ``{"learning_rate",
+    "on" (the set's description), "raw" (the encoder's own scores there, no stage),
+    "candidates": {rate: scores}, "params" (the chosen first-seed model)}``."""
+    if len(set(learning_rates)) != len(learning_rates):
+        raise ValueError(f"--learning-rates {','.join(map(str, learning_rates))}: a peak is "
+                         "given twice; give each once")
+    found, described = heldout_set(source, max_queries=max_queries, data=settings.data,
+                                   split="validation")
+    say(f"choosing the peak on validation: {described['queries']:,} queries, "
+        f"{described['documents']:,} documents of the train split's validation tenth")
+    raw = dense_scores(source.params, source.config.model, source, found, settings.seq_len,
+                       settings.pooling)  # what the stage is for: beating this
+    say(_line("validation, raw encoder (no stage)", raw))
+    candidates, best = {}, None
+    for rate in learning_rates:
+        params, _ = train_in_memory(source, dataclasses.replace(settings, learning_rate=rate))
+        scores = dense_scores(params, source.config.model, source, found, settings.seq_len,
+                              settings.pooling)
+        candidates[f"{rate:g}"] = scores
+        say(_line(f"validation, peak {rate:g} (seed {settings.seed})", scores))
+        if best is None or scores["ndcg@10"] > best[1]:
+            best = (rate, scores["ndcg@10"], params)
+    say(f"peak chosen on validation: {best[0]:g}")
+    return {"learning_rate": best[0], "on": described, "raw": raw, "candidates": candidates,
+            "params": best[2]}
 
 
 def _recorded(stage_info: dict, settings: StageSettings, steps: int) -> StageSettings:
@@ -166,23 +222,27 @@ def _the_set(run: LoadedRun, beir: Path | None, split: str, max_queries: int,
     return heldout_set(run, max_queries=max_queries, data=data)
 
 
-def _summary(rows, per_seed, described, settings, seeds, source, started) -> dict:
+def _summary(rows, per_seed, described, settings, seeds, source, started, chosen) -> dict:
     def mean_of(results):
         return {m: float(np.mean([r[m] for r in results])) for m in results[0]}
 
     for name, results in per_seed.items():
-        rows[name] = {**mean_of(results), "per_seed": results}
+        if results:  # the control is left out under control=False
+            rows[name] = {**mean_of(results), "per_seed": results}
     ndcg = {name: [r["ndcg@10"] for r in results] for name, results in per_seed.items()}
     trained = ndcg["trained_stage"]
+    differences = {
+        "trained_stage_minus_random_init_stage": seed_difference(
+            trained, ndcg["random_init_stage"]) if ndcg["random_init_stage"] else None,
+        "trained_stage_minus_bm25": seed_difference(trained, rows["bm25"]["ndcg@10"]),
+        "trained_stage_minus_raw": seed_difference(trained, rows["raw"]["ndcg@10"]),
+    }
     return {
         "set": described, "encoder": str(source.path), "step": source.step,
         "stage": {**dataclasses.asdict(settings), "seeds": seeds}, "rows": rows,
-        "differences_ndcg@10": {
-            "trained_stage_minus_random_init_stage": seed_difference(
-                trained, ndcg["random_init_stage"]),
-            "trained_stage_minus_bm25": seed_difference(trained, rows["bm25"]["ndcg@10"]),
-            "trained_stage_minus_raw": seed_difference(trained, rows["raw"]["ndcg@10"]),
-        },
+        "differences_ndcg@10": {k: v for k, v in differences.items() if v is not None},
+        **({} if chosen is None else {"learning_rate_choice": {
+            k: v for k, v in chosen.items() if k != "params"}}),
         "seconds": round(time.perf_counter() - started, 1),
     }
 

@@ -8,6 +8,12 @@ least ``MIN_WORDS`` words each (``data/pairs.py`` ``first_sentence``) puts its r
 collection; a keyed sample of at most ``max_queries`` of them asks its first sentence, whose one
 relevant document (grade 1) is its own rest. Held-out documents too short to split join the
 collection whole, as distractors.
+
+``split="validation"``: the same construction over the train split's validation tenth (a
+keyed tenth of its groups, ``data/pairs.py`` ``in_validation``), which a stage told to
+(``withhold_validation``) leaves out of its pairs and its mined negatives: what ``clozax
+retrieval --learning-rates`` chooses the stage's peak on, so the held-out split is scored once,
+with the setting chosen.
 """
 
 from __future__ import annotations
@@ -24,15 +30,21 @@ from clozax.train.run_dir import LoadedRun, open_run_dataset
 
 CONSTRUCTION = "first-sentence→rest"
 MAX_QUERIES = 500
+SPLITS = ("heldout", "validation")
 
 
 def heldout_set(run: LoadedRun, key: int = 0, max_queries: int = MAX_QUERIES,
-                data: str | None = None) -> tuple[RetrievalSet, dict]:
+                data: str | None = None, split: str = "heldout") -> tuple[RetrievalSet, dict]:
     """The set and its description (construction, split, key, sizes, digest); ``data``: an
-    imported run's dataset (it has none of its own)."""
+    imported run's dataset (it has none of its own); ``split``: one of ``SPLITS``."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown retrieval split {split!r}; choose one of {', '.join(SPLITS)}")
     dataset = open_run_dataset(run, None if data is None else Path(data))
+    tokenizer = load_tokenizer(run.tokenizer_path)
+    texts = (document_texts(dataset, "heldout", tokenizer) if split == "heldout" else
+             document_texts(dataset, "train", tokenizer, validation=True))
     documents, askable = {}, []
-    for doc_id, text in document_texts(dataset, "heldout", load_tokenizer(run.tokenizer_path)):
+    for doc_id, text in texts:
         pair = first_sentence(text)
         if pair is None:
             if len(text.split()) >= MIN_WORDS:
@@ -43,7 +55,9 @@ def heldout_set(run: LoadedRun, key: int = 0, max_queries: int = MAX_QUERIES,
     askable.sort()
     chosen = askable[:max_queries]
     if len(chosen) < 2:
-        raise ValueError(f"dataset {dataset.path}'s held-out split has {len(chosen)} document(s) "
+        where = ("held-out split" if split == "heldout" else
+                 "train split's validation tenth")
+        raise ValueError(f"dataset {dataset.path}'s {where} has {len(chosen)} document(s) "
                          "with a first sentence and a rest to ask; prepare a larger corpus or "
                          "a larger --heldout-fraction, or pass --beir DIR")
     queries = {f"q-{doc_id}": head for _, doc_id, head in chosen}
@@ -51,6 +65,6 @@ def heldout_set(run: LoadedRun, key: int = 0, max_queries: int = MAX_QUERIES,
     found = RetrievalSet(documents, queries, qrels)
     digest = hashlib.sha256(json.dumps([documents, queries, qrels], sort_keys=True,
                                        ensure_ascii=False).encode()).hexdigest()
-    return found, {"construction": CONSTRUCTION, "split": "heldout", "key": key,
+    return found, {"construction": CONSTRUCTION, "split": split, "key": key,
                    "dataset": str(dataset.path), "queries": len(queries),
                    "documents": len(documents), "sha256": digest}

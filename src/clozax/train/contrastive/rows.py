@@ -68,16 +68,20 @@ def _content_key(run: LoadedRun, settings) -> tuple:
     return (tokenizer, run.info.get("dataset_fingerprint"), run.info.get("dataset"), given,
             settings.data,
             tuple(sorted(run.specials.items())), settings.pairs, settings.seed,
-            settings.max_pairs, settings.seq_len, settings.negatives, settings.negatives_skip)
+            settings.max_pairs, settings.seq_len, settings.negatives, settings.negatives_skip,
+            settings.withhold_validation)
 
 
 def _make_pair_rows(run: LoadedRun, settings) -> tuple[dict, str]:
     tokenizer = load_tokenizer(run.tokenizer_path)
     if settings.pairs in pairs_lib.KINDS:
         dataset = open_run_dataset(run, None if settings.data is None else Path(settings.data))
+        withheld = settings.withhold_validation
         found = pairs_lib.corpus_pairs(
-            pairs_lib.document_texts(dataset, "train", tokenizer), settings.pairs,
-            settings.seed, f"{dataset.path} (train split)", settings.max_pairs)
+            pairs_lib.document_texts(dataset, "train", tokenizer,
+                                     validation=False if withheld else None),
+            settings.pairs, settings.seed, f"{dataset.path} (train split"
+            + (", its validation tenth withheld)" if withheld else ")"), settings.max_pairs)
     else:
         found = pairs_lib.read_pair_file(Path(settings.pairs))
     found, mined, notes = _with_negatives(found, settings)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from clozax.core.pooling import POOLINGS
 from clozax.data.negatives import SKIP
+from clozax.data.pairs import KINDS
 from clozax.train import config as config_lib
 from clozax.train.checks import check_choice, check_int, check_real
 
@@ -18,7 +19,8 @@ NEGATIVES = ("none", "bm25")
 # Settings recorded only when set (a stage from before they existed has none of them)
 OPTIONAL = {"negatives": lambda s: s.negatives != "none",
             "negatives_skip": lambda s: s.negatives != "none",
-            "pack": lambda s: s.pack, "data": lambda s: s.data is not None}
+            "pack": lambda s: s.pack, "data": lambda s: s.data is not None,
+            "withhold_validation": lambda s: s.withhold_validation}
 NEGATIVES_FILE = "negatives.jsonl"  # a bm25 stage's mined (query, positive, negative) triples
 
 
@@ -43,6 +45,9 @@ class StageSettings:
     negatives_skip: int = SKIP  # BM25's best-ranked passed over (likely positives)
     pack: bool = False  # several texts to a row, each attending to itself (fewer rows)
     data: str | None = None  # an imported encoder's corpus: a prepared dataset's directory
+    # leave the train split's validation tenth (data/pairs.py in_validation) out of the pairs
+    # and their negatives: a stage whose settings are chosen on retrieval over it
+    withhold_validation: bool = False
     random_init: bool = False  # start from the source's architecture at init (the control)
     save_every: int = 100  # a checkpoint every this many updates (and at the end)
     save_every_minutes: float | None = None  # also when this much time has passed
@@ -77,6 +82,10 @@ class StageSettings:
             raise ValueError("--pack fixes its row count from every batch the stage will run "
                              "and runs them in one pass: give --steps (not --minutes) and "
                              "--chunks 1")
+        if self.withhold_validation and self.pairs not in KINDS:
+            raise ValueError(f"{self.pairs}: a pair file gives its own pairs, with no validation "
+                             "documents to withhold or choose on; give one --learning-rate, or "
+                             f"corpus pairs ({', '.join(KINDS)})")
         if self.minutes is not None:
             check_real("minutes", self.minutes, 0.0, math.inf, low_open=True, high_open=True)
         if self.batch_size % self.chunks:
