@@ -99,18 +99,23 @@ def prepared(out: Path, seq_len: int, vocab_size: int = VOCAB, lowercase: bool =
     return target
 
 
-def pretrain(name: str, candidate: Candidate, out: Path, minutes: float) -> tuple[Path, dict]:
-    """``clozax train --minutes`` of ``candidate`` into ``OUT/NAME/run`` (reused when done)."""
+def pretrain(name: str, candidate: Candidate, out: Path,
+             length: tuple[str, float]) -> tuple[Path, dict]:
+    """``clozax train`` of ``candidate`` for ``length`` (``("--minutes", M)`` or ``("--steps",
+    N)``) into ``OUT/NAME/run`` (reused when done)."""
     run = out / name / "run"
     data = prepared(out, candidate.seq_len, candidate.vocab_size, candidate.lowercase)
     started = time.perf_counter()
     command = [str(Path(sys.executable).parent / "clozax"), "train", "--data", str(data),
-               "--out", str(run), "--preset", candidate.preset, "--minutes", str(minutes)]
+               "--out", str(run), "--preset", candidate.preset, length[0], str(length[1])]
     for s in candidate.sets:
         command += ["--set", s]
     if candidate.recipe:
         command += ["--recipe", candidate.recipe]
-    if not (run / "config.json").is_file():
+    # A --steps run is always given its command: it resumes a stopped run and trains nothing
+    # on a finished one. A --minutes run is reused once it exists (its length was set by its
+    # first pace).
+    if length[0] == "--steps" or not (run / "config.json").is_file():
         subprocess.run(command, check=True, env={**os.environ, "COLUMNS": "120"})
     config = json.loads((run / "config.json").read_text())
     return run, {"steps": config["train"]["steps"],
@@ -137,7 +142,7 @@ def main() -> None:
     for name in args.candidates.split(","):
         candidate = CANDIDATES[name]
         print(f"── {name}: {candidate.what}", flush=True)
-        run, trained = pretrain(name, candidate, args.out, args.minutes)
+        run, trained = pretrain(name, candidate, args.out, ("--minutes", args.minutes))
         rows = downstream.measure([run], args.tasks.split(","), protocol, args.out,
                                   args.per_class, args.seeds, args.retrieval_steps)
         results[name] = {"candidate": candidate.__dict__ | {"sets": list(candidate.sets)},

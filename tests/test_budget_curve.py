@@ -1,0 +1,98 @@
+"""``benchmarks/budget_curve.py``: the budget curve's crossing with TF-IDF (measured, extrapolated
+with its interval, or not in sight), each budget's length from one pace, its figure, and bad
+input refused in one line. The runs themselves are measurements (docs/tutorials/finetune.md),
+not tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clozax.judge.claims import seed_difference
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import budget_curve  # noqa: E402
+
+pytestmark = pytest.mark.fast
+
+
+def _points(means: dict[float, float], spread: float = 0.01, seeds: int = 3):
+    """Budget → per-seed trained − TF-IDF differences around ``means``."""
+    out = []
+    for minutes, mean in means.items():
+        values = [mean + spread * (i - (seeds - 1) / 2) for i in range(seeds)]
+        out.append((minutes, values, seed_difference(values, 0.0)))
+    return out
+
+
+def test_a_budget_clearly_above_tfidf_is_the_measured_crossing():
+    found = budget_curve.crossing(_points({8: -0.05, 16: -0.01, 32: 0.04, 64: 0.08}))
+    assert found["kind"] == "measured" and found["minutes"] == 32
+
+
+def test_a_rising_curve_below_tfidf_is_extrapolated_to_where_its_line_reaches_zero():
+    # -4 pp per doubling up to -2 pp at 64 minutes: the line reaches 0 at 2^6.5 = 90.5 minutes
+    found = budget_curve.crossing(_points({8: -0.14, 16: -0.10, 32: -0.06, 64: -0.02}))
+    assert found["kind"] == "extrapolated"
+    assert found["minutes"] == pytest.approx(2 ** 6.5, rel=1e-6)
+    low, high = found["interval"]
+    assert low <= found["minutes"] <= high and high < 200
+    assert "extrapolated to 91 minutes" in found["words"]
+
+
+def test_a_curve_that_does_not_rise_has_no_crossing_and_an_interval_open_above():
+    found = budget_curve.crossing(_points({8: -0.05, 16: -0.06, 32: -0.07}, spread=0.002))
+    assert found["kind"] == "none" and found["minutes"] is None
+    assert np.isinf(found["interval"][1]) and "no crossing in sight" in found["words"]
+
+
+def test_every_budget_runs_the_first_budgets_pace_times_its_minutes():
+    assert budget_curve.steps_for([8, 16, 32.5], 75.0) == {8: 600, 16: 1200, 32.5: 2438}
+
+
+def test_the_figure_and_table_are_drawn_from_a_curve(tmp_path):
+    point = {"minutes": 8, "steps": 600, "run": "r", "tfidf": 0.7,
+             "trained": {"mean": 0.6, "interval": [0.58, 0.62], "per_seed": [0.58, 0.6, 0.62]},
+             "minus_tfidf": seed_difference([0.58, 0.6, 0.62], 0.7),
+             "minus_random_init": seed_difference([0.58, 0.6, 0.62], [0.3, 0.31, 0.29])}
+    curve = {"candidate": "budget", "metric": "accuracy", "points": [
+        point, {**point, "minutes": 16, "steps": 1200}],
+        "references": {"TF-IDF (70.0 %)": {"mean": 0.7},
+                       "random init, fine-tuned": budget_curve.mean_interval([0.3, 0.31, 0.29])},
+        "crossing": {"words": "no crossing in sight"}}
+    budget_curve.figure(curve, tmp_path / "f.png")
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = budget_curve.table(curve)
+    assert lines[2].startswith("| 8 min | 600 | 60.0 % [58.0, 62.0] | -10.0 pp [-15.0, -5.0], "
+                               "clear | +30.0 pp [")
+    assert any(line.startswith("| random init, fine-tuned | | 30.0 %") for line in lines)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--minutes", "0.5,8"], "--minutes 0.5: a budget under 1 minute"),
+    (["--minutes", "8,x"], "give budgets in minutes separated by commas"),
+    (["--minutes", "16,8"], "give each budget once, in increasing order"),
+    (["--candidate", "nope"], "--candidate 'nope' is unknown; choose one of budget"),
+    (["--steps-per-minute", "0"], "give a positive pace"),
+    (["--adapted", "/nonexistent"], "not a run directory"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_anything_trains(tmp_path, argv, words):
+    ran = subprocess.run([sys.executable, str(BENCHMARKS / "budget_curve.py"), "--out",
+                          str(tmp_path / "out"), *argv], capture_output=True, text=True,
+                         timeout=120)
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert ran.returncode == 2 and len(lines) == 1, ran.stderr
+    assert lines[0].startswith("error: ") and words in lines[0]
+    assert "Traceback" not in ran.stderr and not (tmp_path / "out").exists()
+
+
+def test_curve_json_is_plain_json():
+    """What the docs regenerate from: ``crossing`` gives JSON-ready values (inf aside)."""
+    found = budget_curve.crossing(_points({8: -0.14, 16: -0.10}))
+    json.dumps(found)
