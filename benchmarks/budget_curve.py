@@ -141,15 +141,12 @@ def figure(curve: dict, path: Path) -> None:
 
 
 def mean_interval(per_seed: list[float]) -> dict:
-    """A reference line: the mean of its seeds with the 95 % t interval of that mean."""
-    from scipy import stats
+    """A reference line or a point: the mean of its seeds with the 95 % t interval of that mean
+    (``seed_difference`` against 0: the one-sample interval; None with one seed or no spread)."""
+    from clozax.judge.claims import seed_difference
 
-    a = np.asarray(per_seed, float)
-    if len(a) < 2 or np.all(a == a[0]):
-        return {"mean": float(a.mean()), "interval": None, "per_seed": a.tolist()}
-    low, high = stats.t.interval(0.95, len(a) - 1, loc=a.mean(), scale=stats.sem(a))
-    return {"mean": float(a.mean()), "interval": [float(low), float(high)],
-            "per_seed": a.tolist()}
+    d = seed_difference(per_seed, 0.0)
+    return {"mean": d["mean"], "interval": d["interval"], "per_seed": [float(x) for x in per_seed]}
 
 
 def table(curve: dict) -> list[str]:
