@@ -79,7 +79,7 @@ def downstream_claims(finetune: dict | None) -> list[dict]:
             ("modern-small beats its random-init control at this budget",
              "benchmarks/budget.py --candidates modern"),
             ("an adapted published encoder beats the same encoder not adapted",
-             "docs/tutorials/continue-pretraining.md")):
+             "benchmarks/adaptation.py: the peak chosen on validation, a second domain")):
         out.append({"claim": claim, "holds": None, "detail": f"not run by the demo ({where})"})
     return out
 
