@@ -28,8 +28,9 @@ The stages, each kept in ``OUT`` and reused when finished (a stopped adaptation 
    texts alone.
 
 Every result is adapted − not adapted on the same task (the base fine-tuned the same way), the
-mean difference with its 95 % interval over seeds. The WordNet task caps its training glosses
-at ``--max-train`` (the built-in task's 869 are all used). Writes ``OUT/adaptation.json`` and
+mean difference with its 95 % interval over seeds. Each task's training split is capped
+at ``--max-train`` (2,000: WordNet's glosses are cut to it, the built-in task's 869 are all
+used). Writes ``OUT/adaptation.json`` and
 prints the table. Bad input (a peak that is not a positive number, an unknown task, a missing
 config or base run) is one line and exit 2.
 """
@@ -46,14 +47,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import downstream  # noqa: E402
+from downstream import error as _error  # noqa: E402
+
+from clozax.judge.claims import seed_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("builtin", "wordnet")
-
-
-def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def parse_peaks(text: str) -> list[float]:
@@ -122,11 +121,6 @@ class Study:
         self.base = (args.base or self.out / "imported").resolve()
         self.donor = None  # a run on the built-in corpus: lends the built-in task's files
 
-    def protocol_for(self, task: str):
-        """downstream.py's protocol; the WordNet task's training glosses capped."""
-        cap = self.args.max_train if task == "wordnet" else None
-        return dataclasses.replace(self.protocol, max_train_examples=cap)
-
     # ---------------------------------------------------------------- stages
 
     def ensure_base(self) -> None:
@@ -189,7 +183,7 @@ class Study:
         """``run`` fine-tuned on ``task``: validation and test of the rate kept on validation."""
         from clozax.judge.finetune import protocol as ft
 
-        result = ft.finetune_run(run, self.spec(task, run), self.protocol_for(task),
+        result = ft.finetune_run(run, self.spec(task, run), self.protocol,
                                  progress=False)
         metric, chosen = result["task"]["metric"], result["encoders"]["trained"]["selected"]
         test = chosen["test"][metric]
@@ -200,11 +194,6 @@ class Study:
                 "examples": result["task"]["examples"],
                 "pretraining_overlap": result["task"].get("pretraining_overlap"),
                 "tfidf": result.get("tfidf", {}).get("test", {}).get(metric)}
-
-    def versus_base(self, adapted: dict, base: dict) -> dict:
-        from clozax.judge.claims import seed_difference
-
-        return seed_difference(adapted["test"]["per_seed"], base["test"]["per_seed"])
 
     # ---------------------------------------------------------------- the study
 
@@ -255,7 +244,8 @@ class Study:
                chosen_here: bool = False) -> dict:
         return {"variant": variant, "task": task, "chosen_here": chosen_here,
                 "adapted": adapted, "not_adapted": base,
-                "minus_not_adapted": self.versus_base(adapted, base)}
+                "minus_not_adapted": seed_difference(adapted["test"]["per_seed"],
+                                                     base["test"]["per_seed"])}
 
 
 def table(study: dict) -> list[str]:
@@ -300,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="tasks adapted on their training texts alone (comma list)")
     parser.add_argument("--base", type=Path, default=None,
                         help="the published encoder's run (default: all-MiniLM-L6-v2 imported)")
-    downstream.add_finetune_options(parser)
+    downstream.add_protocol_options(parser, control=False)
     parser.set_defaults(lr="3e-4", max_train=2000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "adaptation")
     args = parser.parse_args(argv)

@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget  # noqa: E402
 import downstream  # noqa: E402
+from downstream import error as _error  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORTEST = 1.0  # minutes: under it the pace is mostly compilation
@@ -58,11 +59,6 @@ def parse_minutes(text: str) -> list[float]:
     if sorted(set(minutes)) != minutes:
         raise SystemExit(_error(f"--minutes {text}: give each budget once, in increasing order"))
     return minutes
-
-
-def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def steps_for(minutes: list[float], pace: float) -> dict[float, int]:
@@ -182,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapted", type=Path, default=None,
                         help="a line for this run (e.g. MiniLM adapted by clozax train "
                         "--init-from) fine-tuned the same way")
-    downstream.add_finetune_options(parser)
+    downstream.add_protocol_options(parser)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "curve")
     parser.add_argument("--figure", type=Path, default=None,
                         help="where to save the figure (default OUT/budget-curve.png)")

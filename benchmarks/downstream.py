@@ -28,8 +28,8 @@ import argparse
 import hashlib
 import json
 import re
-import shutil
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -48,6 +48,12 @@ LEXNAMES = (
     "verb.competition verb.consumption verb.contact verb.creation verb.emotion verb.motion "
     "verb.perception verb.possession verb.social verb.stative verb.weather adj.ppl").split()
 MIN_PER_CLASS = 30
+
+
+def error(message: str) -> int:
+    """A benchmark's refusal of bad input: one line on stderr, and the exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def ensure_wordnet() -> None:
@@ -105,6 +111,7 @@ def builtin_files(donor: Path, out: Path) -> dict:
     """The built-in task of ``donor`` (its dataset's labels: train split → train, held-out
     split → validation and test) written as three JSONL files, so an encoder without that
     dataset (the imported MiniLM) is fine-tuned on the same examples and the same splits."""
+    from clozax.core import files
     from clozax.data.tokenizer import load_tokenizer
     from clozax.judge.finetune import protocol as ft
     from clozax.train.run_dir import load_run
@@ -113,11 +120,11 @@ def builtin_files(donor: Path, out: Path) -> dict:
     task = ft.load_task(ft.TaskSpec(name="labels"), run, load_tokenizer(run.tokenizer_path))
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for split, part in task.splits.items():
-        paths[split] = out / f"builtin-{split}.jsonl"
-        with paths[split].open("w") as f:
-            for text, y in zip(part.text, part.y, strict=True):
-                f.write(json.dumps({"text": text, "label": task.labels[y]}) + "\n")
+    for split, part in task.splits.items():  # atomic, and a file already so is left alone:
+        paths[split] = files.write_jsonl(  # a fine-tuning reading it beside is never torn
+            out / f"builtin-{split}.jsonl",
+            [{"text": text, "label": task.labels[y]}
+             for text, y in zip(part.text, part.y, strict=True)])
     return paths
 
 
@@ -134,9 +141,9 @@ def task_spec(task: str, run: Path, donor: Path | None, out: Path, per_class: in
                            fields=ft.tasks.Fields(group="group"), name="wordnet")
     if dataset_of(run) == dataset_of(donor):
         return ft.TaskSpec(name="labels")
-    files = builtin_files(donor, out / "tmp")
-    return ft.TaskSpec(train=files["train"], validation=files["validation"],
-                       test=files["test"], name="labels")
+    paths = builtin_files(donor, out / "builtin-task")
+    return ft.TaskSpec(train=paths["train"], validation=paths["validation"],
+                       test=paths["test"], name="labels")
 
 
 def dataset_of(run: Path) -> str | None:
@@ -218,7 +225,6 @@ def measure(runs: list[Path], tasks: list[str], protocol, out: Path, per_class: 
                 continue  # no run has dataset labels to lend
             table += finetune_rows(run, task, task_spec(task, run, donor, out, per_class),
                                    protocol)
-    shutil.rmtree(out / "tmp", ignore_errors=True)
     return table
 
 
@@ -240,18 +246,22 @@ def versus_first(table: list[dict]) -> list[dict]:
 
 
 def protocol_from(args):
+    """The fine-tuning protocol ``add_protocol_options`` read (no ``--no-control``: with the
+    random-init control)."""
     from clozax.judge.finetune import protocol as ft
 
     return ft.Protocol(learning_rates=None if args.lr is None else
                        tuple(float(x) for x in args.lr.split(",")),
                        seeds=args.seeds, epochs=args.epochs, max_train_examples=args.max_train,
-                       control=not args.no_control, pooling=args.pooling,
+                       control=not getattr(args, "no_control", False), pooling=args.pooling,
                        layer_decays=tuple(float(x) for x in args.layer_decay.split(",")))
 
 
-def add_finetune_options(parser) -> None:
-    parser.add_argument("--tasks", default="builtin,wordnet,retrieval")
-    parser.add_argument("--per-class", type=int, default=120)
+def add_protocol_options(parser, control: bool = True) -> None:
+    """How each encoder is fine-tuned (``protocol_from``); ``control``: offer
+    ``--no-control``, for a script where the random-init control is a choice."""
+    parser.add_argument("--per-class", type=int, default=120,
+                        help="WordNet task: glosses per category")
     parser.add_argument("--lr", default=None, help="the grid (default: by encoder width)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
@@ -263,8 +273,16 @@ def add_finetune_options(parser) -> None:
 
     parser.add_argument("--pooling", default=POOLINGS[0], choices=POOLINGS,
                         help="the sentence vector the head reads (clozax finetune --pooling)")
-    parser.add_argument("--no-control", action="store_true",
-                        help="no random-init control (e.g. comparing two published encoders)")
+    if control:
+        parser.add_argument("--no-control", action="store_true",
+                            help="no random-init control (e.g. comparing two published "
+                            "encoders)")
+
+
+def add_finetune_options(parser) -> None:
+    """The protocol and which tasks to measure (``measure``)."""
+    parser.add_argument("--tasks", default="builtin,wordnet,retrieval")
+    add_protocol_options(parser)
     parser.add_argument("--retrieval-steps", type=int, default=40,
                         help="the contrastive stage's steps (the demo's 40)")
 

@@ -92,3 +92,11 @@ def test_the_default_recipe_is_the_continue_pretraining_tutorials_head_first_tom
 def test_each_peak_names_its_own_run():
     tags = [adaptation.peak_tag(p) for p in (1e-4, 2.5e-4, 3e-4, 1e-3, 0.01)]
     assert tags == ["1e-4", "2.5e-4", "3e-4", "1e-3", "1e-2"]
+
+
+@pytest.mark.parametrize("option", [["--tasks", "wordnet"], ["--retrieval-steps", "5"],
+                                    ["--no-control"]])
+def test_an_option_the_study_would_ignore_is_refused(option, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        adaptation.main(option)
+    assert stopped.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err

@@ -96,3 +96,10 @@ def test_curve_json_is_plain_json():
     """What the docs regenerate from: ``crossing`` gives JSON-ready values (inf aside)."""
     found = budget_curve.crossing(_points({8: -0.14, 16: -0.10}))
     json.dumps(found)
+
+
+@pytest.mark.parametrize("option", [["--tasks", "wordnet"], ["--retrieval-steps", "5"]])
+def test_an_option_the_curve_would_ignore_is_refused(option, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        budget_curve.main(option)
+    assert stopped.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err

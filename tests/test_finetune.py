@@ -153,6 +153,21 @@ def test_max_len_cuts_each_text_to_fit_counts_the_cuts_and_keys_the_jobs_apart(
     assert ft.job_settings(run, cut, FAST) != ft.job_settings(run, full, FAST)
 
 
+def test_a_cap_above_the_training_split_keys_the_same_jobs_as_none_and_a_binding_cap_does_not(
+        tiny_run, task_files):
+    run = load_run(tiny_run)
+    task = ft.load_task(ft.TaskSpec(train=task_files["classification"]), run,
+                        load_tokenizer(run.tokenizer_path))
+    n = len(task.splits["train"])
+    settings = {cap: ft.job_settings(run, ft.cap_train(task, cap, 0),
+                                     dataclasses.replace(FAST, max_train_examples=cap))
+                for cap in (None, n, n + 100, n - 1)}
+    assert settings[None] == settings[n] == settings[n + 100]
+    assert settings[n - 1] != settings[None]
+    assert settings[n - 1]["protocol"]["max_train_examples"] == n - 1
+    assert "train_capped_to" not in task.accounting  # the task capped is a copy
+
+
 def test_layer_decay_scales_each_layers_step_by_its_depth_and_1_is_the_plain_step(
         tiny_run, task_files):
     run = load_run(tiny_run)

@@ -201,5 +201,5 @@ def cap_train(task: tasks.Task, limit: int | None, seed: int) -> tasks.Task:
     if limit is None or len(split) <= limit:
         return task
     keep = sorted(np.random.default_rng([seed, 7]).permutation(len(split))[:limit].tolist())
-    task.accounting["train_capped_to"] = limit
-    return replace(task, splits={**task.splits, "train": split.select(keep)})
+    return replace(task, splits={**task.splits, "train": split.select(keep)},
+                   accounting={**task.accounting, "train_capped_to": limit})

@@ -75,6 +75,9 @@ def job_settings(run, task: tasks.Task, protocol: Protocol) -> dict:
             digest.update(json.dumps(np.asarray(y).tolist()).encode())
     keep = {k: v for k, v in asdict(protocol).items()  # the grid's axes are in each job's name
             if k not in ("learning_rates", "layer_decays", "seeds", "control")}
+    # The cap the training split was cut to, not the one asked: a cap above the split's size
+    # trains the same jobs as none, so it keys the same jobs.
+    keep["max_train_examples"] = task.accounting.get("train_capped_to")
     return {"run": str(Path(run.path).absolute()), "step": run.step,
             "task_sha256": digest.hexdigest(), "labels": task.labels, "kind": task.kind,
             "encoder_dropout": run.config.model.dropout, "protocol": keep}
