@@ -254,7 +254,8 @@ def protocol_from(args):
                        tuple(float(x) for x in args.lr.split(",")),
                        seeds=args.seeds, epochs=args.epochs, max_train_examples=args.max_train,
                        control=not getattr(args, "no_control", False), pooling=args.pooling,
-                       layer_decays=tuple(float(x) for x in args.layer_decay.split(",")))
+                       layer_decays=tuple(float(x) for x in args.layer_decay.split(",")),
+                       reinit_top=args.reinit_top)
 
 
 def add_protocol_options(parser, control: bool = True) -> None:
@@ -273,6 +274,9 @@ def add_protocol_options(parser, control: bool = True) -> None:
 
     parser.add_argument("--pooling", default=POOLINGS[0], choices=POOLINGS,
                         help="the sentence vector the head reads (clozax finetune --pooling)")
+    parser.add_argument("--reinit-top", type=int, default=0,
+                        help="the trained encoder's top N blocks started from its random init "
+                        "(clozax finetune --reinit-top)")
     if control:
         parser.add_argument("--no-control", action="store_true",
                             help="no random-init control (e.g. comparing two published "

@@ -881,3 +881,50 @@ def test_pipelines_agree_with_predict(finetuned_runs, task_files, tmp_path):
                 tags = {pos: w["tag"] for pos, w in zip(first, mine["tokens"], strict=True)
                         if w["tag"] != "O"}
                 assert at_first == tags, (words, at_first, tags)
+
+
+def test_reinit_top_takes_the_top_blocks_from_the_random_init_and_keeps_the_rest(tiny_run):
+    run = load_run(tiny_run)
+    fresh = init_params(run.config.model, run.config.train.seed)
+    layers = run.config.model.layers
+    assert jobs_lib.reinit_top(run.params, fresh, 0) is run.params
+    mixed = jobs_lib.reinit_top(run.params, fresh, 1)
+    for pre, new, got in zip(jax.tree.leaves(run.params["layers"]),
+                             jax.tree.leaves(fresh["layers"]),
+                             jax.tree.leaves(mixed["layers"]), strict=True):
+        np.testing.assert_array_equal(got[:layers - 1], pre[:layers - 1])
+        np.testing.assert_array_equal(got[layers - 1:], new[layers - 1:])
+        assert not np.array_equal(got[layers - 1:], pre[layers - 1:])
+    for part in ("embeddings", "head"):
+        assert mixed[part] is run.params[part]
+    with pytest.raises(ValueError, match="--reinit-top 3: the encoder has 2 blocks"):
+        jobs_lib.reinit_top(run.params, fresh, layers + 1)
+    with pytest.raises(ValueError, match="reinit_top"):
+        ft.Protocol(reinit_top=-1)
+
+
+def test_a_reinitialised_selected_job_rerun_for_its_model_reproduces_its_record(
+        tiny_run_copy, task_files):
+    spec = ft.TaskSpec(train=task_files["classification"], name="reinit")
+    plain = ft.finetune_run(tiny_run_copy, spec, dataclasses.replace(FAST, epochs=2),
+                            say=lambda _: None, progress=False)
+    protocol = dataclasses.replace(FAST, epochs=2, reinit_top=1)
+    first = ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
+    assert first["encoders"]["trained"]["selected"] != plain["encoders"]["trained"]["selected"]
+    out = tiny_run_copy / "finetune" / "reinit"
+    kept = (out / "model" / finetuned.WEIGHTS_FILE).read_bytes()
+    shutil.rmtree(out / "model")  # the jobs are kept: the selected one re-runs for model/
+    again = ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
+    assert again["model"] == first["model"]
+    assert (out / "model" / finetuned.WEIGHTS_FILE).read_bytes() == kept
+    assert json.loads((out / "model" / finetuned.META_FILE).read_text())["reinit_top"] == 1
+
+
+def test_reinit_top_past_the_encoders_blocks_is_one_line_and_nothing_written(tiny_run_copy,
+                                                                              capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["finetune", str(tiny_run_copy), "--reinit-top", "9"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "--reinit-top 9" in err and "pass 0 to 2" in err
+    assert "Traceback" not in err and err.count("\n") == 0
+    assert not (tiny_run_copy / "finetune").exists()

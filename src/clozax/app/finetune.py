@@ -63,6 +63,9 @@ def finetune(
                                          "at lr x DECAY^(L-i), the embeddings at DECAY^(L+1), "
                                          "the head at lr (1: none); comma-separated, a grid "
                                          "chosen on validation with the rate.")] = "1",
+    reinit_top: Annotated[int, Opt(help="Start the trained encoder's top N blocks from its "
+                                        "random init (0: none): for blocks pretraining made "
+                                        "specialists in masked-token prediction.")] = 0,
     control: Annotated[bool, Opt(help="Also fine-tune the random-init encoder.")] = True,
     bf16: Annotated[bool, Opt(help="Compute in bfloat16 (parameters stay float32).")] = False,
     max_train: Annotated[int | None, Opt(help="Train on a keyed choice of this many "
@@ -105,7 +108,7 @@ def finetune(
                            seeds=seeds, epochs=epochs, batch_size=batch_size, dropout=dropout,
                            warmup_fraction=warmup, pooling=pooling, control=control,
                            compute_dtype="bfloat16" if bf16 else None,
-                           max_train_examples=max_train)
+                           max_train_examples=max_train, reinit_top=reinit_top)
     from rich.console import Console
 
     result = ft.finetune_run(run, spec, protocol, step=step)

@@ -48,6 +48,7 @@ class Protocol:
     compute_dtype: str | None = None  # None: the run's
     max_train_examples: int | None = None  # a keyed choice of this many training examples
     layer_decays: tuple[float, ...] = (1.0,)  # layer-wise decay grid (``layer_rates``); 1: none
+    reinit_top: int = 0  # the trained encoder's top blocks started from its random init
 
     def __post_init__(self):
         if self.learning_rates is not None and (not self.learning_rates or any(
@@ -65,6 +66,8 @@ class Protocol:
             raise ValueError(f"compute dtype {self.compute_dtype!r} is not float32 or bfloat16")
         if self.max_train_examples is not None and self.max_train_examples < 2:
             raise ValueError("max_train_examples must be at least 2")
+        if int(self.reinit_top) < 0:
+            raise ValueError(f"reinit_top={self.reinit_top} must be 0 (none) or more blocks")
         if not self.layer_decays or any(not 0 < d <= 1 for d in self.layer_decays):
             raise ValueError(f"layer decays {self.layer_decays} must be in (0, 1]; pass e.g. "
                              "--layer-decay 0.8, or 1 for none, or a grid: --layer-decay 1,0.8")
@@ -145,6 +148,25 @@ def layer_rates(params, layers: int, decay: float):
         return jnp.float32(1.0)
 
     return jax.tree_util.tree_map_with_path(rate, params)
+
+
+def reinit_top(encoder: dict, fresh: dict, count: int) -> dict:
+    """``encoder``'s parameters with its top ``count`` blocks taken from ``fresh`` (the run's
+    random init): Zhang et al. 2021's re-initialisation, for blocks that pretraining made
+    specialists in its own objective. The embeddings, the lower blocks, the final norm and
+    the MLM head (the modern task head starts from its transform) stay pretrained; 0 returns
+    ``encoder`` itself."""
+    layers = jax.tree.leaves(encoder["layers"])[0].shape[0]
+    if not 0 <= count <= layers:
+        raise ValueError(f"--reinit-top {count}: the encoder has {layers} blocks; pass 0 to "
+                         f"{layers}")
+    if count == 0:
+        return encoder
+    keep = layers - count
+    mixed = jax.tree.map(lambda pre, new: jnp.concatenate([jnp.asarray(pre)[:keep],
+                                                           jnp.asarray(new)[keep:]]),
+                         encoder["layers"], fresh["layers"])  # (layers, ...) each
+    return {**encoder, "layers": mixed}
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,9 @@ def finetune_run(run_dir: Path, spec: TaskSpec | None = None, protocol: Protocol
     started = time.perf_counter()
     run_dir = Path(run_dir)
     run = load_run(run_dir, step)
+    if protocol.reinit_top > run.config.model.layers:
+        raise ValueError(f"--reinit-top {protocol.reinit_top}: {run_dir} has "
+                         f"{run.config.model.layers} blocks; pass 0 to {run.config.model.layers}")
     if protocol.learning_rates is None:
         protocol = replace(protocol,
                            learning_rates=jobs_lib.default_learning_rates(run.config.model))
@@ -134,9 +137,11 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     jobs_dir = out / "jobs" / key
     jobs_dir.mkdir(parents=True, exist_ok=True)
     files.write_json(jobs_dir / "settings.json", settings)
-    encoders = {"trained": run.params}
+    fresh = (init_params(run.config.model, run.config.train.seed)
+             if protocol.control or protocol.reinit_top else None)
+    encoders = {"trained": jobs_lib.reinit_top(run.params, fresh, protocol.reinit_top)}
     if protocol.control:
-        encoders["random_init"] = init_params(run.config.model, run.config.train.seed)
+        encoders["random_init"] = fresh
     todo = [(e, lr, d, s) for e in encoders for lr in protocol.learning_rates
             for d in protocol.layer_decays for s in range(protocol.seeds)]
     pending = [j for j in todo if not (jobs_dir / f"{_job_name(*j)}.json").is_file()]
@@ -153,7 +158,7 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     results = {e: summarise(rs, task.metric) for e, rs in records.items()}
     (out / RESULT_FILE).unlink(missing_ok=True)  # never beside a model/ it does not name
     model = _selected_model(run, task, protocol, setup, results["trained"]["selected"], key,
-                            out, say)
+                            out, say, encoders["trained"])
     for candidate in jobs_dir.glob(f"{CANDIDATE_PREFIX}*"):  # the rest: model/ is written
         shutil.rmtree(candidate, ignore_errors=True)
     result = _result(run, task, protocol, setup, results, started)
@@ -210,7 +215,8 @@ def _write_model(dest: Path, run, task, protocol, setup, job: dict, params) -> N
         "seq_len": setup.seq_len, "specials": run.specials, "learning_rate":
         job["learning_rate"], "layer_decay": job["layer_decay"], "seed": job["seed"],
         "validation": job["validation"],
-        "dropout": protocol.dropout, "job": job}, run.tokenizer_path)
+        "dropout": protocol.dropout, "reinit_top": protocol.reinit_top, "job": job},
+        run.tokenizer_path)
 
 
 def _candidate_dir(jobs_dir: Path, learning_rate: float, decay: float) -> Path:
@@ -236,7 +242,7 @@ def _keep_candidate(run, task, protocol, setup, key: str, jobs_dir: Path, record
 
 
 def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: Path,
-                    say) -> dict:
+                    say, encoder: dict) -> dict:
     """``model/``: the selected setting's best-validation seed at its best epoch. Kept when
     it is already that job; moved from the setting's candidate when that is the job; otherwise
     the job is re-run (it is deterministic) and must reproduce its recorded validation score."""
@@ -253,7 +259,7 @@ def _selected_model(run, task, protocol, setup, selected: dict, key: str, out: P
     if (files.read_json(candidate / finetuned.META_FILE) or {}).get("job") == job:
         files.publish_dir(candidate, out / "model")
         return job
-    record, params = jobs_lib.run_job(setup, task, run.params, job["learning_rate"],
+    record, params = jobs_lib.run_job(setup, task, encoder, job["learning_rate"],
                                       job["seed"], until_epoch=job["epoch"],
                                       decay=job["layer_decay"])
     got = record["per_epoch"][-1]["validation"][task.metric]
