@@ -246,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     from clozax.train import compile_cache
 
     compile_cache.enable()
-    result = {"runs": [diagnose(run, args.finetune_lr) for run in args.runs]}
+    try:
+        result = {"runs": [diagnose(run, args.finetune_lr) for run in args.runs]}
+    except (ValueError, FileNotFoundError) as e:  # a run without labels, a damaged run
+        return downstream.error(str(e).splitlines()[0])
     out = args.out or args.runs[0].parent / "representations.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

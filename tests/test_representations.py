@@ -83,3 +83,11 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "not a run directory" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_run_it_cannot_read_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "run.json").write_text("{}")  # a run directory with nothing else in it
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "representations.py"),
+                           str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: ")
+    assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr
