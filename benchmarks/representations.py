@@ -62,32 +62,40 @@ def mean_cosine(x: np.ndarray) -> float:
     return float((total - n) / (n * (n - 1)))
 
 
+def frobenius(tree) -> float:
+    """The Frobenius norm over every array of a parameter subtree (float64)."""
+    import jax
+
+    return float(np.sqrt(sum(np.square(np.asarray(a, np.float64)).sum()
+                             for a in jax.tree.leaves(tree))))
+
+
+def block(layers: dict, i: int) -> dict:
+    """Block ``i`` of the stacked ``(layers, ...)`` parameters."""
+    import jax
+
+    return jax.tree.map(lambda a: a[i], layers)
+
+
 def relative_change(before, after) -> float:
     """‖after − before‖ / ‖before‖ over every array of a parameter subtree."""
     import jax
 
-    b = [np.asarray(x, np.float64) for x in jax.tree.leaves(before)]
-    a = [np.asarray(x, np.float64) for x in jax.tree.leaves(after)]
-    num = sum(float(np.square(y - x).sum()) for x, y in zip(b, a, strict=True))
-    den = sum(float(np.square(x).sum()) for x in b)
-    return float(np.sqrt(num / max(den, 1e-30)))
+    moved = jax.tree.map(lambda x, y: np.asarray(y, np.float64) - np.asarray(x, np.float64),
+                         before, after)
+    return frobenius(moved) / max(frobenius(before), 1e-30)
 
 
 def norms(params: dict, layers: int) -> dict:
     """The Frobenius norm of the embeddings and of each block's parameters."""
-    import jax
-
-    def norm(tree):
-        return float(np.sqrt(sum(np.square(np.asarray(a, np.float64)).sum()
-                                 for a in jax.tree.leaves(tree))))
-
-    return {"embeddings": norm(params["embeddings"]),
-            "blocks": [norm(jax.tree.map(lambda a, i=i: a[i], params["layers"]))
-                       for i in range(layers)]}
+    return {"embeddings": frobenius(params["embeddings"]),
+            "blocks": [frobenius(block(params["layers"], i)) for i in range(layers)]}
 
 
-def depth_features(params: dict, config, depth: int, split, pad: int, width: int) -> dict:
-    """Features of every example of ``split`` after ``depth`` blocks: ``cls``/``mean`` after the
+def depth_features(params: dict, config, depth: int, splits: dict, pad: int,
+                   width: int) -> dict:
+    """Features of every example of each of ``splits`` (by name; one compile for all) after
+    ``depth`` blocks: ``cls``/``mean`` after the
     final norm (pre-norm encoders; the post-norm residual stream is already normalised), the
     ``[CLS]``/token norm ratio of the residual stream, and, at the top, the head transform's
     ``cls_head``/``mean_head`` (the modern head's starting point)."""
@@ -123,16 +131,19 @@ def depth_features(params: dict, config, depth: int, split, pad: int, width: int
             out["cls_head"], out["mean_head"] = transform(out["cls"]), transform(out["mean"])
         return out
 
-    rows = []
-    for start in range(0, len(split.ids), BATCH):
-        chunk = split.ids[start:start + BATCH]
-        inputs = np.full((BATCH, width), pad, np.int32)
-        mask = np.zeros((BATCH, width), bool)
-        for r, ids in enumerate(chunk):
-            inputs[r, :len(ids)], mask[r, :len(ids)] = ids, True
-        got = jax.device_get(features(sub, inputs, mask))
-        rows.append({k: np.asarray(v[:len(chunk)], np.float64) for k, v in got.items()})
-    return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    def of(split) -> dict:
+        rows = []
+        for start in range(0, len(split.ids), BATCH):
+            chunk = split.ids[start:start + BATCH]
+            inputs = np.full((BATCH, width), pad, np.int32)
+            mask = np.zeros((BATCH, width), bool)
+            for r, ids in enumerate(chunk):
+                inputs[r, :len(ids)], mask[r, :len(ids)] = ids, True
+            got = jax.device_get(features(sub, inputs, mask))
+            rows.append({k: np.asarray(v[:len(chunk)], np.float64) for k, v in got.items()})
+        return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+
+    return {name: of(split) for name, split in splits.items()}
 
 
 def probe(train: np.ndarray, validation: np.ndarray, task) -> float:
@@ -151,8 +162,7 @@ def encoder_rows(params: dict, config, task, pad: int, width: int) -> list[dict]
     splits = {s: task.splits[s] for s in ("train", "validation")}
     rows = []
     for depth in range(1, config.layers + 1):
-        f = {s: depth_features(params, config, depth, split, pad, width)
-             for s, split in splits.items()}
+        f = depth_features(params, config, depth, splits, pad, width)
         v = f["validation"]
         row = {"depth": depth, "cls_norm_ratio": float(v["ratio"].mean()),
                "cls_effective_rank": effective_rank(v["cls"]),
@@ -187,8 +197,7 @@ def movement(run, params: dict, task, lr: float) -> dict:
     before = jax.device_get(params)
     record, tuned = jobs.run_job(setup, task, params, lr, 0, keep_best=True)
     enc = tuned["encoder"]
-    blocks = [relative_change(jax.tree.map(lambda a, i=i: a[i], before["layers"]),
-                              jax.tree.map(lambda a, i=i: a[i], enc["layers"]))
+    blocks = [relative_change(block(before["layers"], i), block(enc["layers"], i))
               for i in range(run.config.model.layers)]
     out = {"learning_rate": lr, "validation_accuracy": record["per_epoch"][
                jobs.best_epoch(record, "accuracy") - 1]["validation"]["accuracy"],

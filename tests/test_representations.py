@@ -63,7 +63,8 @@ def test_the_features_at_the_top_are_the_encoders_own_output(preset):
     params = model_lib.init(config, jax.random.key(0))
     ids = [np.array([1, 5, 9, 12, 2]), np.array([1, 7, 2]), np.array([1, 30, 31, 32, 33, 34, 2])]
     split = SimpleNamespace(ids=ids)
-    got = representations.depth_features(params, config, config.layers, split, 0, 16)
+    got = representations.depth_features(params, config, config.layers, {"x": split}, 0,
+                                         16)["x"]
     for r, row in enumerate(ids):
         inputs = jnp.asarray(row[None])
         mask = jnp.ones_like(inputs, bool)
@@ -72,7 +73,7 @@ def test_the_features_at_the_top_are_the_encoders_own_output(preset):
         np.testing.assert_allclose(got["mean"][r], hidden.mean(0), atol=2e-5)
     assert "cls_head" in got and got["cls_head"].shape == got["cls"].shape
     assert np.all(got["ratio"] > 0)
-    shallower = representations.depth_features(params, config, 1, split, 0, 16)
+    shallower = representations.depth_features(params, config, 1, {"x": split}, 0, 16)["x"]
     assert "cls_head" not in shallower
     assert not np.allclose(shallower["cls"], got["cls"])
 
