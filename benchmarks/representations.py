@@ -104,6 +104,7 @@ def depth_features(params: dict, config, depth: int, splits: dict, pad: int,
 
     from clozax.core import layers
     from clozax.core import model as model_lib
+    from clozax.judge.probe import encoder_features
 
     pre = config.layer_norm == "pre" and config.final_norm
     cut = dataclasses.replace(config, layers=depth, final_norm=False)
@@ -131,19 +132,8 @@ def depth_features(params: dict, config, depth: int, splits: dict, pad: int,
             out["cls_head"], out["mean_head"] = transform(out["cls"]), transform(out["mean"])
         return out
 
-    def of(split) -> dict:
-        rows = []
-        for start in range(0, len(split.ids), BATCH):
-            chunk = split.ids[start:start + BATCH]
-            inputs = np.full((BATCH, width), pad, np.int32)
-            mask = np.zeros((BATCH, width), bool)
-            for r, ids in enumerate(chunk):
-                inputs[r, :len(ids)], mask[r, :len(ids)] = ids, True
-            got = jax.device_get(features(sub, inputs, mask))
-            rows.append({k: np.asarray(v[:len(chunk)], np.float64) for k, v in got.items()})
-        return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-
-    return {name: of(split) for name, split in splits.items()}
+    return {name: encoder_features(sub, features, split.ids, pad, width, bucket=width,
+                                   batch=BATCH) for name, split in splits.items()}
 
 
 def probe(train: np.ndarray, validation: np.ndarray, task) -> float:

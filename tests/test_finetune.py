@@ -928,3 +928,19 @@ def test_reinit_top_past_the_encoders_blocks_is_one_line_and_nothing_written(tin
     assert exit_.value.code == 2 and "--reinit-top 9" in err and "pass 0 to 2" in err
     assert "Traceback" not in err and err.count("\n") == 0
     assert not (tiny_run_copy / "finetune").exists()
+
+
+def test_the_control_jobs_are_shared_by_every_reinit_top(tiny_run_copy, task_files):
+    """--reinit-top changes the trained encoder only: its random-init control's jobs are the
+    same jobs for every N, so a second N runs the trained jobs alone and reads the control's."""
+    spec = ft.TaskSpec(train=task_files["classification"], name="shared")
+    protocol = dataclasses.replace(FAST, epochs=2, control=True)
+    plain = ft.finetune_run(tiny_run_copy, spec, protocol, say=lambda _: None, progress=False)
+    said = []
+    again = ft.finetune_run(tiny_run_copy, spec, dataclasses.replace(protocol, reinit_top=1),
+                            say=said.append, progress=False)
+    assert any("1 of 2 jobs already done; running the other 1" in line for line in said)
+    assert again["encoders"]["random_init"] == plain["encoders"]["random_init"]
+    assert again["encoders"]["trained"]["selected"] != plain["encoders"]["trained"]["selected"]
+    keys = [d.name for d in (tiny_run_copy / "finetune" / "shared" / "jobs").iterdir()]
+    assert len(keys) == 2  # the re-initialised trained jobs under a key of their own

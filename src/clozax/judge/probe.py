@@ -60,24 +60,26 @@ def make_pool_fn(model_config):
     return jax.jit(fn)
 
 
-def encoder_features(params, pool_fn, ids: list[np.ndarray], pad_id: int,
-                     max_width: int) -> np.ndarray:
-    """(n, hidden) float64 features; examples batched by length bucket (speed only)."""
+def encoder_features(params, pool_fn, ids: list[np.ndarray], pad_id: int, max_width: int,
+                     bucket: int = LENGTH_BUCKET, batch: int = BATCH):
+    """(n, ...) float64 features, or a dict of them where ``pool_fn`` returns one; examples
+    batched ``batch`` at a time by length, each batch padded to a multiple of ``bucket`` (at
+    most ``max_width``; speed only: a bucket of ``max_width`` compiles one width)."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out = [None] * len(ids)
-    for start in range(0, len(order), BATCH):
-        idx = order[start : start + BATCH]
-        width = -(-max(len(ids[i]) for i in idx) // LENGTH_BUCKET) * LENGTH_BUCKET
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        width = -(-max(len(ids[i]) for i in idx) // bucket) * bucket
         width = min(width, max_width)
-        inputs = np.full((BATCH, width), pad_id, np.int32)
-        mask = np.zeros((BATCH, width), bool)
+        inputs = np.full((batch, width), pad_id, np.int32)
+        mask = np.zeros((batch, width), bool)
         for r, i in enumerate(idx):
             inputs[r, : len(ids[i])] = ids[i]
             mask[r, : len(ids[i])] = True
-        feats = np.asarray(pool_fn(params, inputs, mask), np.float64)
+        feats = jax.tree.map(lambda a: np.asarray(a, np.float64), pool_fn(params, inputs, mask))
         for r, i in enumerate(idx):
-            out[i] = feats[r]
-    return np.stack(out)
+            out[i] = jax.tree.map(lambda a, r=r: a[r], feats)
+    return jax.tree.map(lambda *rows: np.stack(rows), *out)
 
 
 # --------------------------------------------------------------------------- the probe

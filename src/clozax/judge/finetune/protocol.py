@@ -83,6 +83,16 @@ def job_settings(run, task: tasks.Task, protocol: Protocol) -> dict:
             "encoder_dropout": run.config.model.dropout, "protocol": keep}
 
 
+def _jobs_dir(out: Path, run, task: tasks.Task, protocol: Protocol) -> tuple[str, Path]:
+    """``OUT/jobs/KEY`` for ``job_settings``' key, made and its settings written."""
+    settings = job_settings(run, task, protocol)
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    jobs_dir = out / "jobs" / key
+    jobs_dir.mkdir(parents=True, exist_ok=True)
+    files.write_json(jobs_dir / "settings.json", settings)
+    return key, jobs_dir
+
+
 def _job_name(encoder: str, lr: float, decay: float, seed: int) -> str:
     return f"{encoder}-lr{lr:g}{_decay_tag(decay)}-seed{seed}"
 
@@ -132,28 +142,26 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
 
     setup = jobs_lib.make_setup(run.config.model, task, protocol, run.specials["pad"],
                                 task.accounting["seq_len"])
-    settings = job_settings(run, task, protocol)
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    jobs_dir = out / "jobs" / key
-    jobs_dir.mkdir(parents=True, exist_ok=True)
-    files.write_json(jobs_dir / "settings.json", settings)
+    key, jobs_dir = _jobs_dir(out, run, task, protocol)
     fresh = (init_params(run.config.model, run.config.train.seed)
              if protocol.control or protocol.reinit_top else None)
     encoders = {"trained": jobs_lib.reinit_top(run.params, fresh, protocol.reinit_top)}
+    dirs = {"trained": jobs_dir}  # each encoder's jobs: the control's never re-initialise
     if protocol.control:
         encoders["random_init"] = fresh
+        dirs["random_init"] = _jobs_dir(out, run, task, replace(protocol, reinit_top=0))[1]
     todo = [(e, lr, d, s) for e in encoders for lr in protocol.learning_rates
             for d in protocol.layer_decays for s in range(protocol.seeds)]
-    pending = [j for j in todo if not (jobs_dir / f"{_job_name(*j)}.json").is_file()]
+    pending = [j for j in todo if not (dirs[j[0]] / f"{_job_name(*j)}.json").is_file()]
     if len(pending) < len(todo):
         say(f"{out}: {len(todo) - len(pending)} of {len(todo)} jobs already done; running "
             f"the other {len(pending)}")
-    _run_jobs(setup, task, encoders, pending, jobs_dir, say, progress, stop,
+    _run_jobs(setup, task, encoders, pending, dirs, say, progress, stop,
               lambda record, params: _keep_candidate(run, task, protocol, setup, key, jobs_dir,
                                                      record, params))
     stop.raise_if_requested(f"every job ran and is kept in {jobs_dir}; run the same command "
                             "to select and write the model")
-    records = {e: [files.read_json(jobs_dir / f"{_job_name(*j)}.json") for j in todo
+    records = {e: [files.read_json(dirs[e] / f"{_job_name(*j)}.json") for j in todo
                    if j[0] == e] for e in encoders}
     results = {e: summarise(rs, task.metric) for e, rs in records.items()}
     (out / RESULT_FILE).unlink(missing_ok=True)  # never beside a model/ it does not name
@@ -167,16 +175,16 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     return result
 
 
-def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
+def _run_jobs(setup, task, encoders: dict, pending: list, dirs: dict, say,
               progress: bool, stop: Interrupts, keep_candidate) -> None:
-    """The pending jobs, each committed as it ends (a trained one's model first offered to
-    ``keep_candidate``); a signal stops between two jobs."""
+    """The pending jobs, each committed into its encoder's ``dirs`` as it ends (a trained
+    one's model first offered to ``keep_candidate``); a signal stops between two jobs."""
     bar = _bar(progress, len(pending) * setup.steps)
     try:
         for done, (encoder, lr, decay, seed) in enumerate(pending):
             stop.raise_if_requested(
-                f"{done} of {len(pending)} pending jobs ran and are kept in {jobs_dir}; run "
-                "the same command to run the rest")
+                f"{done} of {len(pending)} pending jobs ran and are kept in "
+                f"{dirs['trained'].parent}; run the same command to run the rest")
             name = _job_name(encoder, lr, decay, seed)
             if bar is not None:
                 bar[0].update(bar[1], description=name)
@@ -186,7 +194,7 @@ def _run_jobs(setup, task, encoders: dict, pending: list, jobs_dir: Path, say,
                                             keep_best=encoder == "trained", decay=decay)
             if best is not None:
                 keep_candidate(record, best)
-            files.write_json(jobs_dir / f"{name}.json", record)  # the job's commit
+            files.write_json(dirs[encoder] / f"{name}.json", record)  # the job's commit
             if "diverged" in record:
                 say(f"{name}: diverged at step {record['diverged']['step']} (loss "
                     f"{record['diverged']['loss']}); this setting is not selected")
