@@ -163,8 +163,9 @@ class Study:
             source.write_text("".join(json.dumps(r) + "\n" for r in records))
             what = f"{len(records):,} texts ({cut:,} of the task's validation and test cut)"
         print(f"── corpus {name}: {what}", flush=True)
-        subprocess.run([_clozax(), "prepare", "--corpus", str(source), "--out", str(data),
-                        "--tokenizer", str(self.base / "tokenizer.json")], check=True,
+        subprocess.run([*downstream.clozax_command(), "prepare", "--corpus", str(source),
+                        "--out", str(data), "--tokenizer", str(self.base / "tokenizer.json")],
+                       check=True,
                        env={**os.environ, "COLUMNS": "120"})
         return data
 
@@ -173,8 +174,8 @@ class Study:
         when stopped; a finished run trains nothing)."""
         run = self.out / "runs" / f"{name}-{peak_tag(peak)}"
         print(f"── adapt {run.name}", flush=True)
-        subprocess.run([_clozax(), "train", "--data", str(data), "--out", str(run),
-                        "--init-from", str(self.base), "--config", str(self.args.config),
+        subprocess.run([*downstream.clozax_command(), "train", "--data", str(data), "--out",
+                        str(run), "--init-from", str(self.base), "--config", str(self.args.config),
                         "--set", f"optim.learning_rate={peak!r}"], check=True,
                        env={**os.environ, "COLUMNS": "120"})
         return run.resolve()
@@ -271,10 +272,6 @@ def _how(result: dict) -> str:
         return "task-adaptive, at the kept peak"
     return "domain-adaptive, " + ("peak chosen on its validation" if result["chosen_here"]
                                   else "out of sample")
-
-
-def _clozax() -> str:
-    return str(Path(sys.executable).parent / "clozax")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +90,7 @@ def prepared(out: Path, seq_len: int, vocab_size: int = VOCAB, lowercase: bool =
         ("" if lowercase else "-cased")
     target = out / name
     if not (target / "manifest.json").is_file():
-        subprocess.run([str(Path(sys.executable).parent / "clozax"), "prepare", "--corpus",
+        subprocess.run([*downstream.clozax_command(), "prepare", "--corpus",
                         "stdlib", "--out", str(target), "--seq-len", str(seq_len),
                         "--vocab-size", str(vocab_size),
                         "--lowercase" if lowercase else "--no-lowercase", "--heldout-fraction",
@@ -106,7 +105,7 @@ def pretrain(name: str, candidate: Candidate, out: Path,
     run = out / name / "run"
     data = prepared(out, candidate.seq_len, candidate.vocab_size, candidate.lowercase)
     started = time.perf_counter()
-    command = [str(Path(sys.executable).parent / "clozax"), "train", "--data", str(data),
+    command = [*downstream.clozax_command(), "train", "--data", str(data),
                "--out", str(run), "--preset", candidate.preset, length[0], str(length[1])]
     for s in candidate.sets:
         command += ["--set", s]

@@ -73,6 +73,10 @@ def crossing(points: list[tuple[float, list[float], dict]], seed: int = 0) -> di
         if d.get("clear") and d["interval"] is not None and d["interval"][0] > 0:
             return {"kind": "measured", "minutes": minutes,
                     "words": f"clear above TF-IDF from {minutes:g} minutes"}
+    if len(points) < 2:  # one budget (the device budget): no line to extrapolate along
+        return {"kind": "none", "minutes": None, "interval": None,
+                "words": "not clear above TF-IDF at this one budget; a crossing is extrapolated "
+                         "from two or more"}
     xs = np.concatenate([np.full(len(v), math.log2(m)) for m, v, _ in points])
     ys = np.concatenate([np.asarray(v, float) for _, v, _ in points])
     at = _zero_of_line(xs, ys)
@@ -112,8 +116,9 @@ def figure(curve: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     x = [p["minutes"] for p in points]
     y = [100 * p["trained"]["mean"] for p in points]
-    err = [[100 * (p["trained"]["mean"] - p["trained"]["interval"][0]) for p in points],
-           [100 * (p["trained"]["interval"][1] - p["trained"]["mean"]) for p in points]]
+    bounds = [p["trained"]["interval"] or [p["trained"]["mean"]] * 2 for p in points]  # or none
+    err = [[100 * (p["trained"]["mean"] - b[0]) for p, b in zip(points, bounds)],
+           [100 * (b[1] - p["trained"]["mean"]) for p, b in zip(points, bounds)]]
     ax.errorbar(x, y, yerr=err, marker="o", capsize=4, color="C0",
                 label=f"from scratch ({curve['candidate']}), 95 % interval over seeds")
     for i, (name, line) in enumerate(curve["references"].items()):
@@ -157,9 +162,10 @@ def table(curve: dict) -> list[str]:
     lines = ["| budget | steps | trained | − TF-IDF | − random init |", "|---|---|---|---|---|"]
     for p in curve["points"]:
         t = p["trained"]
+        spread = ("(no interval)" if t["interval"] is None else
+                  f"[{100 * t['interval'][0]:.1f}, {100 * t['interval'][1]:.1f}]")
         lines.append(f"| {p['minutes']:g} min | {p['steps']:,} | {100 * t['mean']:.1f} % "
-                     f"[{100 * t['interval'][0]:.1f}, {100 * t['interval'][1]:.1f}] | "
-                     f"{words(p['minus_tfidf'])} | {words(p['minus_random_init'])} |")
+                     f"{spread} | {words(p['minus_tfidf'])} | {words(p['minus_random_init'])} |")
     for name, line in curve["references"].items():
         lines.append(f"| {name} | | {100 * line['mean']:.1f} % | | |")
     lines.append(f"\nCrossing with TF-IDF: {curve['crossing']['words']}.")

@@ -50,6 +50,12 @@ LEXNAMES = (
 MIN_PER_CLASS = 30
 
 
+def clozax_command() -> list[str]:
+    """``clozax`` as a subprocess: this interpreter's ``-m clozax.app.cli`` (the venv's console
+    script is absent where clozax runs from a source tree, as on a lent device)."""
+    return [sys.executable, "-m", "clozax.app.cli"]
+
+
 def error(message: str) -> int:
     """A benchmark's refusal of bad input: one line on stderr, and the exit status 2."""
     print(f"error: {message}", file=sys.stderr)

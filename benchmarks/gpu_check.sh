@@ -19,16 +19,24 @@
 #      side with ModernBertForMaskedLM (SDPA, HF_MODERN_COMPILE), at 1,024 (batch 32) and 8,192
 #      (batch 4);
 #   6. an end-to-end `clozax train` of the base preset: 300 steps with one evaluation and one
-#      checkpoint: steady tokens/s and the evaluation / checkpoint / first-step shares of wall.
+#      checkpoint: steady tokens/s and the evaluation / checkpoint / first-step shares of wall;
+#   7. (not in the default STAGES: a lease of its own) the device budget of the pretraining
+#      issue: each of DEVICE_CANDIDATES (budget.py's: "budget" is the demo's recipe, "modern"
+#      the same on modern-small) trained from scratch for DEVICE_MINUTES on the device and
+#      fine-tuned on the built-in task with the default protocol (3 seeds, the rate chosen on
+#      validation, the random-init control) by budget_curve.py: trained − TF-IDF and trained −
+#      random init, each with its interval over seeds.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]     # needs CUDA jax, torch and transformers in $PYTHON
+#   STAGES=7 BUDGET_S=780 benchmarks/gpu_check.sh [OUT_DIR]   # the device budget alone
 #
 # Exit 0 when every stage ran and passed; 1 when something failed (the failures listed last);
 # 2 when nothing failed but the budget left commands unrun (listed as skipped).
 # Environment: PYTHON (default .venv/bin/python, else python3), PEAK_TFLOPS (989: dense bf16,
 # H100/H200), BUDGET_S (570), STAGES ("1 2 3 4 5 6"), UNROLLS ("default"), PRESET (base),
 # BATCH (128, stages 1 and 6), COMPARE_SHAPE (base), MODERN_SHAPE (modern-base),
-# HF_MODERN_COMPILE (off: torch.compile of ModernBERT at 8,192 would not fit the budget).
+# HF_MODERN_COMPILE (off: torch.compile of ModernBERT at 8,192 would not fit the budget),
+# DEVICE_CANDIDATES ("budget modern"), DEVICE_MINUTES (4: both fit one 15-minute lease).
 # QUICK=1: the same logic at tiny shapes, a dry run on a CPU (tests/test_gpu_check.py runs it in
 # the suite); its figures mean nothing.
 set -uo pipefail
@@ -48,6 +56,9 @@ MODERN_SHAPE=${MODERN_SHAPE:-modern-base}
 HF_MODERN_COMPILE=${HF_MODERN_COMPILE:-off}
 STEPS=300 BLOCKS=3 SPB=10 SMOKE_STEPS=10 SMOKE_PRESET=small SMOKE_MODERN=modern-small
 CLASSIC_RUNS="128:256:off 512:64:best" MODERN_RUNS="1024:32 8192:4" DOCUMENTS=512
+DEVICE_CANDIDATES=${DEVICE_CANDIDATES:-budget modern}
+DEVICE_MINUTES=${DEVICE_MINUTES:-4}
+DEVICE_ARGS=()  # budget_curve.py's protocol: its defaults
 # 16,384 tokens a call: the dense paths' f32 scores at 8,192 are then 6.4 GB a tensor
 PATH_ARGS=(--seqs 512,1024,8192 --dtype bfloat16 --batch-tokens 16384 --reps 5)
 PREPARE=(--vocab-size 8192 --seq-len 128)
@@ -57,6 +68,8 @@ if [ -n "$QUICK" ]; then
   CLASSIC_RUNS="64:8:off" MODERN_RUNS="128:4" DOCUMENTS=32
   PATH_ARGS=(--seqs 128 --heads 2 --head-dim 16 --batch-tokens 512 --reps 1 --interpret)
   PREPARE=(--vocab-size 1024 --seq-len 64)
+  DEVICE_CANDIDATES=modern DEVICE_MINUTES=1  # the one recipe: the script is the same for both
+  DEVICE_ARGS=(--steps-per-minute 3 --seeds 2 --epochs 1 --max-train 40 --lr 1e-3)
 fi
 mkdir -p "$OUT"
 rm -f "$OUT/failed.txt" "$OUT/skipped.txt"
@@ -202,6 +215,17 @@ if stage 6; then
       > "$OUT/train-summary.txt" || fail "the end-to-end run's summary"
     head -1 "$OUT/train-summary.txt" | tee "$OUT/train.txt"
   fi
+fi
+
+if stage 7; then
+  echo "== 7. the device budget: from scratch for $DEVICE_MINUTES minutes, fine-tuned =="
+  for candidate in $DEVICE_CANDIDATES; do
+    SKIP_NAME="device budget $candidate" within $(( DEVICE_MINUTES * 60 + 240 )) \
+      "$PY" benchmarks/budget_curve.py --minutes "$DEVICE_MINUTES" --candidate "$candidate" \
+      --out "$OUT/device-budget/$candidate" "${DEVICE_ARGS[@]}" 2>&1 | grep -v "^WARNING" \
+      | tee "$OUT/device-budget-$candidate.txt" \
+      || fail "device budget $candidate (see device-budget-$candidate.txt)"
+  done
 fi
 
 echo "gpu_check: $(( $(date +%s) - T0 )) s of the ${BUDGET} s budget"

@@ -48,6 +48,10 @@ from clozax.core.masker import make_masker  # noqa: E402
 from clozax.core.vocab import Vocabulary  # noqa: E402
 from clozax.data import open_dataset, prepare  # noqa: E402
 from clozax.train import compile_cache, heldout, run_dir  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from downstream import clozax_command  # noqa: E402
+
 from clozax.train import config as config_lib  # noqa: E402
 
 SEQ, BATCH = 512, 8
@@ -74,7 +78,7 @@ def train_side(name: str, data: Path, out: Path, minutes: float) -> dict:
         else:
             sets = [f"train.batch_size={BATCH}", "train.log_every=10", "train.eval_rows=64",
                     *overrides]
-            cmd = [str(Path(sys.executable).parent / "clozax"), "train", "--data", str(data),
+            cmd = [*clozax_command(), "train", "--data", str(data),
                    "--out", str(run), "--preset", preset, "--minutes", str(minutes),
                    *(arg for s in sets for arg in ("--set", s))]
         t0 = time.perf_counter()

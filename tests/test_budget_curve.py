@@ -52,6 +52,29 @@ def test_a_curve_that_does_not_rise_has_no_crossing_and_an_interval_open_above()
     assert np.isinf(found["interval"][1]) and "no crossing in sight" in found["words"]
 
 
+def test_one_budget_has_no_line_to_extrapolate_a_crossing_from():
+    """The device budget is one point: clear above TF-IDF is its crossing; otherwise it says
+    so (a line through one budget's seeds has no slope)."""
+    assert budget_curve.crossing(_points({5: 0.04}))["kind"] == "measured"
+    found = budget_curve.crossing(_points({5: -0.02}))
+    assert found["kind"] == "none" and found["interval"] is None
+    assert "a crossing is extrapolated from two or more" in found["words"]
+
+
+def test_a_point_whose_seeds_agree_is_drawn_and_tabled_without_an_interval(tmp_path):
+    same = [0.6, 0.6]
+    curve = {"candidate": "budget", "metric": "accuracy", "points": [{
+        "minutes": 5, "steps": 90, "run": "r", "tfidf": 0.7,
+        "trained": budget_curve.mean_interval(same),
+        "minus_tfidf": seed_difference(same, 0.7), "minus_random_init": None}],
+        "references": {}, "crossing": budget_curve.crossing([(5, [-0.1, -0.1],
+                                                               seed_difference(same, 0.7))])}
+    budget_curve.figure(curve, tmp_path / "f.png")
+    assert (tmp_path / "f.png").is_file()
+    assert budget_curve.table(curve)[2].startswith("| 5 min | 90 | 60.0 % (no interval) | "
+                                                   "-10.0 pp (no interval) |")
+
+
 def test_every_budget_runs_the_first_budgets_pace_times_its_minutes():
     assert budget_curve.steps_for([8, 16, 32.5], 75.0) == {8: 600, 16: 1200, 32.5: 2438}
 
