@@ -117,8 +117,8 @@ def figure(curve: dict, path: Path) -> None:
     x = [p["minutes"] for p in points]
     y = [100 * p["trained"]["mean"] for p in points]
     bounds = [p["trained"]["interval"] or [p["trained"]["mean"]] * 2 for p in points]  # or none
-    err = [[100 * (p["trained"]["mean"] - b[0]) for p, b in zip(points, bounds)],
-           [100 * (b[1] - p["trained"]["mean"]) for p, b in zip(points, bounds)]]
+    err = [[100 * abs(m - b[i]) for m, b in zip([p["trained"]["mean"] for p in points], bounds,
+                                                 strict=True)] for i in (0, 1)]
     ax.errorbar(x, y, yerr=err, marker="o", capsize=4, color="C0",
                 label=f"from scratch ({curve['candidate']}), 95 % interval over seeds")
     for i, (name, line) in enumerate(curve["references"].items()):
