@@ -116,9 +116,9 @@ def figure(curve: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     x = [p["minutes"] for p in points]
     y = [100 * p["trained"]["mean"] for p in points]
-    bounds = [p["trained"]["interval"] or [p["trained"]["mean"]] * 2 for p in points]  # or none
-    err = [[100 * abs(m - b[i]) for m, b in zip([p["trained"]["mean"] for p in points], bounds,
-                                                 strict=True)] for i in (0, 1)]
+    bounds = np.array([p["trained"]["interval"] or [p["trained"]["mean"]] * 2  # none: no bar
+                       for p in points])  # (points, 2)
+    err = 100 * np.abs(bounds.T - [p["trained"]["mean"] for p in points])  # (2, points)
     ax.errorbar(x, y, yerr=err, marker="o", capsize=4, color="C0",
                 label=f"from scratch ({curve['candidate']}), 95 % interval over seeds")
     for i, (name, line) in enumerate(curve["references"].items()):

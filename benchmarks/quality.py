@@ -48,11 +48,10 @@ from clozax.core.masker import make_masker  # noqa: E402
 from clozax.core.vocab import Vocabulary  # noqa: E402
 from clozax.data import open_dataset, prepare  # noqa: E402
 from clozax.train import compile_cache, heldout, run_dir  # noqa: E402
+from clozax.train import config as config_lib  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from downstream import clozax_command  # noqa: E402
-
-from clozax.train import config as config_lib  # noqa: E402
 
 SEQ, BATCH = 512, 8
 SIDES = {  # name: (family, preset, clozax overrides or None for the HF side)

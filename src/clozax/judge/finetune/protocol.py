@@ -149,7 +149,8 @@ def _protocol(run, task, protocol, out: Path, say, progress: bool, started: floa
     dirs = {"trained": jobs_dir}  # each encoder's jobs: the control's never re-initialise
     if protocol.control:
         encoders["random_init"] = fresh
-        dirs["random_init"] = _jobs_dir(out, run, task, replace(protocol, reinit_top=0))[1]
+        dirs["random_init"] = (jobs_dir if not protocol.reinit_top else
+                               _jobs_dir(out, run, task, replace(protocol, reinit_top=0))[1])
     todo = [(e, lr, d, s) for e in encoders for lr in protocol.learning_rates
             for d in protocol.layer_decays for s in range(protocol.seeds)]
     pending = [j for j in todo if not (dirs[j[0]] / f"{_job_name(*j)}.json").is_file()]
