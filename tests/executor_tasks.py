@@ -6,8 +6,19 @@ import time
 from pathlib import Path
 
 
-def busy(seconds: float, log: str, name: str) -> None:
-    """Hold a worker for ``seconds``; append which process ran ``name``, and when."""
+def busy(seconds: float, log: str, name: str, ready: str | None = None,
+         workers: int = 0) -> None:
+    """Hold a worker for ``seconds``; append which process ran ``name``, and when. With
+    ``ready`` (a folder), first wait until ``workers`` processes have registered there, so a
+    worker that started late (spawn and imports on a loaded machine) does not look idle."""
+    if ready is not None:
+        (Path(ready) / str(os.getpid())).touch()
+        deadline = time.monotonic() + 120
+        while len(list(Path(ready).iterdir())) < workers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(list(Path(ready).iterdir()))} of {workers} "
+                                   "workers started in 120 s")
+            time.sleep(0.01)
     start = time.monotonic()
     time.sleep(seconds)
     with Path(log).open("a") as f:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clozax.data import open_dataset, prepare
+from clozax.data import executors, open_dataset, prepare
 from clozax.data.dataset import Split, verify_files
 from clozax.data.executors import FAIL_TASK_ENV, Local, Task, WorkerFailed
 from clozax.data.loader import host_batch
@@ -144,12 +144,16 @@ def test_a_failed_worker_is_one_line_and_the_rerun_keeps_its_finished_shards(tmp
 
 def test_the_costliest_task_starts_first_and_no_worker_idles_while_tasks_remain(tmp_path):
     """Uneven costs, the costliest given last: one worker holds it while the other takes every
-    short task as it frees (dealing two per worker in task order would put it last)."""
-    log = tmp_path / "log.jsonl"
-    tasks = [Task("executor_tasks:busy", {"seconds": 0.5, "log": str(log), "name": f"short{i}"},
-                  cost=1) for i in range(4)]
-    tasks.append(Task("executor_tasks:busy", {"seconds": 2.5, "log": str(log), "name": "long"},
-                      cost=5))
+    short task as it frees (dealing two per worker in task order would put it last). The tasks
+    start once both workers are up (a worker spawned late on a loaded machine is not idling),
+    and the long task outlasts the four short ones by 2 s, so neither margin is a race."""
+    log, ready = tmp_path / "log.jsonl", tmp_path / "ready"
+    ready.mkdir()
+    both = {"log": str(log), "ready": str(ready), "workers": 2}
+    tasks = [Task("executor_tasks:busy", {"seconds": 0.5, "name": f"short{i}", **both}, cost=1)
+             for i in range(4)]
+    tasks.append(Task("executor_tasks:busy", {"seconds": 4.0, "name": "long", **both}, cost=5))
+    assert executors._by_cost(tasks)[0] == 4  # handed out first
     finished = []
     Local(2).run(tasks, done=finished.append)
     runs = {r["name"]: r for r in map(json.loads, log.read_text().splitlines())}

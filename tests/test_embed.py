@@ -374,8 +374,9 @@ def test_a_minutes_stage_sets_its_length_re_estimates_it_and_a_rerun_keeps_it(ti
     first = embed(tiny_run, tmp_path / "emb", settings, say=lambda _: None)
     took = time.perf_counter() - started
     config = read_config(tmp_path / "emb")[0]
-    # At least the timed steps (on a loaded machine loading and compiling can take the budget)
-    assert config.train.minutes is None and config.train.steps == first["steps"] >= 4
+    # At least one update (lengths.first_length: on a loaded machine loading, compiling and
+    # the timed steps can take the whole budget, and the stage then makes one)
+    assert config.train.minutes is None and config.train.steps == first["steps"] >= 1
     revisions = config.train.budget_revisions
     assert revisions[0][0] == 0 and revisions[-1][1] == first["steps"]  # set before step 1
     assert [at for at, _ in revisions] == sorted({at for at, _ in revisions})
