@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,13 @@ def _probe(**env) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
 def test_importing_clozax_keeps_the_train_steps_scratch_mapped_between_steps():
     default = _probe(CLOZAX_HOST_MALLOC="default")
+    # glibc's default maps and unmaps the scratch every step: ~90,000 faults of 4 KiB, or
+    # ~180 of 2 MiB where the kernel backs every mapping with transparent huge pages.
+    huge = "[always]" in _read(Path("/sys/kernel/mm/transparent_hugepage/enabled"))
+    assert default["faults_per_step"] > (100 if huge else 20_000), default
+    # With clozax.hostmem it stays mapped: a tenth of the default's faults at most, and never
+    # the thousand that a few stray 4 KiB scratch buffers would cost.
+    bound = min(1_000, default["faults_per_step"] / 10)
     # Faults come from this process's allocator and also from outside it: beside the other
     # test worker the kept setting measured 31,511 faults a step once (a clean-clone run,
     # 2026-12-03) where it measures 0 alone (3 of 3), most likely the kernel reclaiming pages
@@ -69,14 +77,18 @@ def test_importing_clozax_keeps_the_train_steps_scratch_mapped_between_steps():
     # allocator's own figure; a broken setting faults on every probe.
     kept = _probe()
     for _ in range(2):
-        if kept["faults_per_step"] < 1_000:
+        if kept["faults_per_step"] < bound:
             break
         kept = min(kept, _probe(), key=lambda r: r["faults_per_step"])
     assert kept["applied"] and not default["applied"]
-    # glibc's default maps and unmaps the scratch every step (~90,000 faults of 4 KiB);
-    # with clozax.hostmem it stays mapped.
-    assert default["faults_per_step"] > 20_000, default
-    assert kept["faults_per_step"] < 1_000, kept
+    assert kept["faults_per_step"] < bound, (kept, default)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # no such setting: not a transparent-huge-page kernel
+        return ""
 
 
 def test_keep_freed_memory_declines_once_jax_is_imported():

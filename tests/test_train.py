@@ -422,7 +422,9 @@ def test_minutes_times_steps_unless_start_up_has_spent_the_budget(spent_before, 
         assert "spent before the first step" in said[0]
     else:
         assert calls == ["step"] * (1 + WARMUP_STEPS + TIMED_STEPS) + ["evaluate"] * 2
-        assert steps > 1000 and "ms/step" in said[0]  # near-free fake steps
+        # near-free fake steps: the probe save's cost, spread over save_every=100 steps,
+        # bounds the count (1,000 needs a save under ~5 s; 100 one under ~28 s)
+        assert steps > 100 and "ms/step" in said[0]
 
 
 def test_whole_word_masking_and_bf16_compute_train_finitely(stdlib_data, tmp_path):
