@@ -16,6 +16,13 @@ machine) unless ``--steps-per-minute`` is given; every other budget then runs th
 minutes as ``--steps``, so later points do not depend on the machine's load. Each run is kept
 in ``OUT/mM/run`` and reused when finished.
 
+The curve grows across sessions and machines: a budget already in ``OUT/curve.json`` with the
+same candidate and fine-tuning protocol, the same steps and the same final checkpoint (its
+digest file's hash) is not fine-tuned again, and neither is the random-init control or a
+reference line whose run is unchanged; each point keeps the date and CPU that measured it.
+Budgets measured before and not asked now stay on the curve while their runs are kept.
+``--fresh`` measures everything again.
+
 The crossing with TF-IDF (``crossing``): the first budget whose trained − TF-IDF interval over
 seeds is clear above 0; when none is, the budget where a least-squares line of trained −
 TF-IDF against log2(minutes) (every seed a point) reaches 0, with a 95 % interval from
@@ -28,6 +35,8 @@ line and exit 2.
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
 import math
 import sys
@@ -43,6 +52,7 @@ from downstream import error as _error  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SHORTEST = 1.0  # minutes: under it the pace is mostly compilation
 RESAMPLES = 2000
+CONTROL = "random init, fine-tuned"  # the reference line of the random-init control
 
 
 def parse_minutes(text: str) -> list[float]:
@@ -188,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "curve")
     parser.add_argument("--figure", type=Path, default=None,
                         help="where to save the figure (default OUT/budget-curve.png)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="fine-tune every budget and reference again, even those "
+                        "OUT/curve.json holds for the same checkpoint and protocol")
     args = parser.parse_args(argv)
     minutes = parse_minutes(args.minutes)
     if args.candidate not in budget.CANDIDATES:
@@ -211,46 +224,104 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args, minutes: list[float]) -> dict:
     """Every budget's run fine-tuned, the references, the crossing (see the module
-    docstring). The random-init control is fine-tuned once, beside the first budget: it does
-    not depend on the budget."""
+    docstring). The random-init control is fine-tuned once, beside the first budget measured:
+    it does not depend on the budget. What ``OUT/curve.json`` holds for the same checkpoint and
+    protocol is reused (``reusable``)."""
     import dataclasses
 
     from clozax.judge.claims import seed_difference
 
     candidate = budget.CANDIDATES[args.candidate]
     protocol = downstream.protocol_from(args)
-    pace, points, control, metric = args.steps_per_minute, [], None, None
+    before = {} if args.fresh else reusable(args.out / "curve.json", args.candidate, protocol)
+    earlier = {p["minutes"]: p for p in before.get("points", [])}
+    pace, points, metric = args.steps_per_minute, [], before.get("metric")
+    control = before.get("references", {}).get(CONTROL)
     for m in minutes:
         length = ("--minutes", m) if pace is None else ("--steps", steps_for([m], pace)[m])
         run, trained = budget.pretrain(f"m{m:g}", candidate, args.out, length)
         if pace is None:  # the first budget's measured pace sets every other's length
             pace = trained["steps"] / m
+        known = earlier.pop(m, None)
+        if known is not None and known["steps"] == trained["steps"] and same_checkpoint(
+                known, run):
+            points.append(known)
+            print(f"── {m:g} min ({known['steps']:,} steps): reused, measured "
+                  f"{known['measured']['date']} on {known['measured']['cpu']}", flush=True)
+            continue
         once = protocol if control is None else dataclasses.replace(protocol, control=False)
         rows = downstream.measure([run], ["builtin"], once, args.out, args.per_class)
         by = {r["encoder"]: r for r in rows}
-        control = control or by.get("random_init")
+        if "random_init" in by:
+            control = {**mean_interval(by["random_init"]["per_seed"]), "measured": measured_now()}
         seeds, metric = by["trained"]["per_seed"], by["trained"]["metric"]
         points.append({
             "minutes": m, "steps": trained["steps"], "run": str(run),
+            "checkpoint": checkpoint_of(run), "measured": measured_now(),
+            "lr": by["trained"]["lr"],
             "trained": mean_interval(seeds), "tfidf": by["trained"]["tfidf"],
             "minus_tfidf": seed_difference(seeds, by["trained"]["tfidf"]),
             "minus_random_init": None if control is None else seed_difference(
                 seeds, control["per_seed"])})
         print(f"── {m:g} min ({trained['steps']:,} steps): trained {by['trained']['mean']:.4f}; "
               f"− TF-IDF {downstream.difference_words(points[-1]['minus_tfidf'])}", flush=True)
+    # Budgets measured before and not asked now, while their runs are unchanged.
+    points += [p for p in earlier.values() if same_checkpoint(p, Path(p["run"]))]
+    points.sort(key=lambda p: p["minutes"])
     references = {f"TF-IDF ({100 * points[0]['tfidf']:.1f} %)": {"mean": points[0]["tfidf"]}}
     if control is not None:
-        references["random init, fine-tuned"] = mean_interval(control["per_seed"])
+        references[CONTROL] = control
     donor, alone = Path(points[0]["run"]), dataclasses.replace(protocol, control=False)
     for name, run in _reference_runs(args):
+        known = before.get("references", {}).get(name)
+        if known is not None and same_checkpoint(known, run):
+            references[name] = known
+            continue
         spec = downstream.task_spec("builtin", run, donor, args.out, args.per_class)
         row = downstream.finetune_rows(run, "builtin", spec, alone)[0]
-        references[name] = mean_interval(row["per_seed"])
+        references[name] = {**mean_interval(row["per_seed"]), "run": str(run),
+                            "checkpoint": checkpoint_of(run), "measured": measured_now()}
     diffs = [(p["minutes"], [x - p["tfidf"] for x in p["trained"]["per_seed"]],
               p["minus_tfidf"]) for p in points]
     return {"candidate": args.candidate, "metric": metric, "pace_steps_per_minute": pace,
             "protocol": vars(protocol), "points": points, "references": references,
             "crossing": crossing(diffs)}
+
+
+def reusable(path: Path, candidate: str, protocol) -> dict:
+    """A previous ``curve.json`` when it was measured with this candidate and protocol (its
+    points, control and references may then be reused), else ``{}``."""
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    same = (before.get("candidate") == candidate
+            and before.get("protocol") == json.loads(json.dumps(vars(protocol))))
+    return before if same else {}
+
+
+def checkpoint_of(run: Path) -> str | None:
+    """The run's last committed checkpoint, named by the sha256 of its digest file (a
+    re-trained or re-saved run is another checkpoint); None without one."""
+    from clozax.train import layout
+
+    steps = [p for p in (run / layout.DIGEST_DIR).glob("*.json") if p.stem.isdigit()]
+    if not steps:
+        return None
+    last = max(steps, key=lambda p: int(p.stem))
+    return f"{last.stem}:{hashlib.sha256(last.read_bytes()).hexdigest()}"
+
+
+def same_checkpoint(known: dict, run: Path) -> bool:
+    """Whether a recorded measurement was of ``run`` as it is now."""
+    return (known.get("checkpoint") is not None and Path(known.get("run", "")) == run
+            and known["checkpoint"] == checkpoint_of(run))
+
+
+def measured_now() -> dict:
+    """When and where a measurement ran: the date (UTC) and the CPU."""
+    return {"date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+            "cpu": downstream.cpu_name()}
 
 
 def _reference_runs(args):

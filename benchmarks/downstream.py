@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import platform
 import re
 import subprocess
 import sys
@@ -54,6 +56,17 @@ def clozax_command() -> list[str]:
     """``clozax`` as a subprocess: this interpreter's ``-m clozax.app.cli`` (the venv's console
     script is absent where clozax runs from a source tree, as on a lent device)."""
     return [sys.executable, "-m", "clozax.app.cli"]
+
+
+def cpu_name() -> str:
+    """The machine a figure was measured on: the CPU's model name and core count."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def error(message: str) -> int:

@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from downstream import cpu_name  # noqa: E402
 from hf_side import hf_adamw  # noqa: E402
 
 VOCAB, PAD, FIRST = 8192, 0, 5  # ids below FIRST are specials
@@ -243,7 +243,7 @@ def main() -> None:
     ratios = [st / cz for cz, st in zip(seconds["clozax"], seconds["sentence-transformers"],
                                         strict=True)]
     result = {
-        "cpu": _cpu(), "dtype": args.dtype, "dropout": args.dropout, "preset": args.preset,
+        "cpu": cpu_name(), "dtype": args.dtype, "dropout": args.dropout, "preset": args.preset,
         "batch": args.batch, "seq_len": args.seq_len, "lengths": args.lengths,
         **({"mean_tokens": texts.mean_tokens(), "packed_rows": sides["clozax"].counts}
            if texts is not None else {}),
@@ -271,16 +271,6 @@ def main() -> None:
         print(f"  {name:>22}: {rate:8.1f} pairs/s (median of {args.blocks} blocks)")
     print(f"  clozax / sentence-transformers: {result['ratio_median']:.3f}x median "
           f"(min {result['ratio_min']:.3f}, max {result['ratio_max']:.3f}) over block pairs")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

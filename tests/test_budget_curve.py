@@ -126,3 +126,83 @@ def test_an_option_the_curve_would_ignore_is_refused(option, capsys):
     with pytest.raises(SystemExit) as stopped:
         budget_curve.main(option)
     assert stopped.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a growing curve
+
+
+@pytest.fixture
+def faked(tmp_path, monkeypatch):
+    """``budget_curve.main`` with pretraining and fine-tuning faked: each budget's run is a
+    directory with one committed checkpoint; ``measured`` lists every fine-tuning asked."""
+    from clozax.train import compile_cache, layout
+
+    measured = []
+
+    def pretrain(name, candidate, out, length):
+        run = out / name / "run"
+        digests = run / layout.DIGEST_DIR
+        if not digests.is_dir():
+            digests.mkdir(parents=True)
+            (digests / f"{int(length[1])}.json").write_text(json.dumps({"state": name}))
+        return run, {"steps": int(length[1]), "seconds": 0.0}
+
+    def measure(runs, tasks, protocol, out, per_class):
+        measured.append((runs[0].parent.name, protocol.control))
+        steps = int(next((runs[0] / layout.DIGEST_DIR).glob("*.json")).stem)
+        seeds = [0.5 + steps / 1e4 + 0.01 * i for i in range(3)]
+        rows = [{"encoder": "trained", "per_seed": seeds, "metric": "accuracy", "tfidf": 0.6,
+                 "lr": 3e-4, "mean": float(np.mean(seeds))}]
+        if protocol.control:
+            rows.append({"encoder": "random_init", "per_seed": [0.3, 0.31, 0.32]})
+        return rows
+
+    monkeypatch.setattr(budget_curve.budget, "pretrain", pretrain)
+    monkeypatch.setattr(budget_curve.downstream, "measure", measure)
+    monkeypatch.setattr(compile_cache, "enable", lambda: None)
+
+    def main(*argv):
+        assert budget_curve.main(["--out", str(tmp_path), "--steps-per-minute", "10",
+                                  *argv]) == 0
+        return json.loads((tmp_path / "curve.json").read_text())
+
+    return main, measured, tmp_path
+
+
+def test_a_budget_measured_before_on_the_same_checkpoint_is_not_fine_tuned_again(faked):
+    main, measured, _ = faked
+    first = main("--minutes", "8,16")
+    assert measured == [("m8", True), ("m16", False)]  # the control once, beside 8 minutes
+    assert all(p["measured"]["date"] and p["checkpoint"] for p in first["points"])
+    again = main("--minutes", "8,16,32")
+    assert measured[2:] == [("m32", False)]  # 8 and 16 reused, and the control with them
+    assert again["points"][:2] == first["points"]
+    assert again["references"]["random init, fine-tuned"] == \
+        first["references"]["random init, fine-tuned"]
+    assert again["points"][2]["minus_random_init"]["mean"] < 0.5  # against the kept control
+
+
+def test_a_re_trained_checkpoint_a_new_protocol_or_fresh_is_fine_tuned_again(faked):
+    from clozax.train import layout
+
+    main, measured, out = faked
+    main("--minutes", "8,16")
+    (out / "m8" / "run" / layout.DIGEST_DIR / "80.json").write_text('{"state": "again"}')
+    main("--minutes", "8,16")
+    assert measured[2:] == [("m8", False)]  # only the changed checkpoint; the control kept
+    main("--minutes", "8,16", "--epochs", "2")
+    assert measured[3:] == [("m8", True), ("m16", False)]  # another protocol: all of it
+    main("--minutes", "8,16", "--epochs", "2", "--fresh")
+    assert measured[5:] == [("m8", True), ("m16", False)]
+
+
+def test_budgets_measured_before_stay_on_the_curve_while_their_runs_are_kept(faked):
+    import shutil
+
+    main, measured, out = faked
+    main("--minutes", "8,64")
+    grown = main("--minutes", "16")
+    assert [p["minutes"] for p in grown["points"]] == [8, 16, 64]
+    assert measured[2:] == [("m16", False)]
+    shutil.rmtree(out / "m8")  # a point whose run is gone leaves the curve
+    assert [p["minutes"] for p in main("--minutes", "16")["points"]] == [16, 64]
