@@ -4,10 +4,11 @@
 Both sides: the ``small`` preset's encoder shape (BERT layout), random token pairs of
 ``--seq-len`` real tokens per side (no padding), ``--batch`` pairs a step, mean pooling, cosine
 scores at temperature 0.05 (MNRL's ``scale=20``), in-batch negatives, dropout 0.1 on the hidden
-states (clozax has no attention-probability dropout, so the BERT side gets none either), AdamW
-at 1e-4 with clipping at 1.0. After warm-up (compilation excluded), timed blocks of
-``--steps-per-block`` steps alternate between the two sides, so load from other processes hits
-both; the ratio printed is the median over block pairs of clozax pairs/s over theirs.
+states (none on the attention probabilities, clozax's stage default, so the BERT side gets
+none either), AdamW at 1e-4 with clipping at 1.0. After warm-up (compilation excluded), timed
+blocks of ``--steps-per-block`` steps alternate between the two sides, so load from other
+processes hits both; the ratio printed is the median over block pairs of clozax pairs/s over
+theirs.
 
 clozax side: ``clozax.train.contrastive.step.make_embed_step`` (InfoNCE as a (sum, count), one
 division), jitted with the state donated — the step ``clozax embed`` runs.

@@ -10,8 +10,9 @@ seed, nDCG@10, MRR@10, Recall@100); this script trains the MNRL side once per se
 
 - the encoder: the Hugging Face directory the run was imported from (``run.json``'s
   ``imported_from``, or ``--model``), as ``SentenceTransformer`` loads it — its own dropout
-  (all-MiniLM-L6-v2: 0.1 on hidden states and on attention probabilities; clozax's stage has
-  no attention dropout), mean pooling;
+  (all-MiniLM-L6-v2: 0.1 on hidden states and on attention probabilities; clozax's stage
+  drops attention probabilities only with ``--attention-dropout``, 0 by default), mean
+  pooling;
 - the pairs: the stage's own token rows (``train/contrastive/rows.py``: the same texts, BM25
   negatives and cut to ``--seq-len``), batch ``i`` of seed ``s`` the stage's (``pairs_at``),
   each side padded to its longest text as sentence-transformers' collator pads it; a negative

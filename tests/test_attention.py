@@ -254,6 +254,80 @@ def test_every_visible_pair_lies_inside_the_block_ranges_the_kernels_visit(data)
         assert r.q_lo[0, c] <= b < r.q_hi[0, c], (i, j)
 
 
+# ----------------------------------------------------------------------------- attention dropout
+
+
+@pytest.mark.parametrize("queries, keys, dim", [(8, 8, 16), (40, 40, 8)])
+def test_attention_dropout_is_the_reference_with_its_kept_probabilities_scaled(queries, keys,
+                                                                               dim):
+    """``kernels.attention`` with a keep mask: outputs and q, k, v gradients are autodiff's of
+    softmax(QK^T / sqrt(d)) * keep / (1 - rate) @ V under the mask, on both of the backward's
+    transpose layouts (8 x 8 scores against 8 x 16 operands: the scores transposed; 40 x 40
+    against 40 x 8: the operands)."""
+    rate = 0.25
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.normal(size=(BATCH, n, HEADS, dim)), jnp.float32)
+               for n in (queries, keys, keys))
+    assert kernels._transposes_scores(queries, keys, dim) == (queries == 8)
+    mask = jnp.asarray(rng.random((BATCH, 1, queries, keys)) < 0.8).at[..., 0].set(True)
+    keep = jnp.asarray(rng.random((BATCH, HEADS, queries, keys)) >= rate)
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def reference(q, k, v):
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / np.sqrt(dim)
+        probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+        return jnp.einsum("bnqk,bknd->bqnd", jnp.where(keep, probs / (1 - rate), 0.0), v)
+
+    def ours(q, k, v):
+        return kernels.attention(q, k, v, mask, jnp.float32, keep, rate)
+
+    np.testing.assert_allclose(ours(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    got, want = (jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v) * weights), (0, 1, 2))(q, k, v)
+                 for f in (ours, reference))
+    for name, a, b in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+    assert not np.allclose(ours(q, k, v), kernels.attention(q, k, v, mask, jnp.float32))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "modern-tiny"])
+def test_attention_dropout_drops_only_with_a_key_and_draws_each_rows_as_a_batch_of_one(preset):
+    """``model.attention_dropout``: nothing without a key (evaluation) or at 0; a key drops, the
+    same key the same; a key per row gives each row what it gets alone; a plan that names a
+    fused path (flash) computes the same, since dropout runs the einsum path whatever the plan
+    (modern-tiny: local and global layers, packed documents)."""
+    batch = two_document_batch(97, np.array([48, 37, 20]), 5)
+    inputs, mask, segments = (jnp.asarray(batch[n]) for n in ("inputs", "mask", "segments"))
+    config = model_config.preset(preset, vocab_size=97, attention_dropout=0.2)
+    params = model.init(config, jax.random.key(0))
+
+    def apply(cfg, key, rows=slice(None)):
+        return np.asarray(model.apply(params, cfg, inputs[rows], mask[rows], segments[rows],
+                                      dropout_key=key))
+
+    plain = apply(model_config.preset(preset, vocab_size=97), None)
+    key = jax.random.key(3)
+    assert np.array_equal(apply(config, None), plain)  # no key: none
+    off = model_config.preset(preset, vocab_size=97)
+    assert np.array_equal(apply(off, key), plain)  # rate 0: none, key or not
+    dropped = apply(config, key)
+    assert np.array_equal(dropped, apply(config, key)) and not np.allclose(dropped, plain)
+    assert not np.array_equal(dropped, apply(config, jax.random.key(4)))
+    flash_plan = model_config.preset(preset, vocab_size=97, attention_dropout=0.2,
+                                     attention="flash")
+    np.testing.assert_allclose(apply(flash_plan, key), dropped, rtol=1e-5, atol=1e-5)
+    keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(3))
+    together = apply(config, keys)
+    for r in range(3):
+        np.testing.assert_allclose(together[r], apply(config, keys[r:r + 1], slice(r, r + 1))[0],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_attention_dropout_outside_0_to_1_is_refused_naming_the_setting():
+    for bad in (1.0, -0.1, True):
+        with pytest.raises(ValueError, match=r"model.attention_dropout=.* is not in \[0, 1\)"):
+            model_config.preset("tiny", attention_dropout=bad)
+
+
 # ----------------------------------------------------------------------------- the model
 
 

@@ -80,6 +80,44 @@ def test_gradient_caching_gives_the_whole_batch_loss_and_gradient(tiny_run):
     assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
 
 
+def test_attention_dropout_keeps_chunks_speed_only_and_reaches_the_stage_and_its_export(
+        capsys, tiny_run, tmp_path):
+    """``--attention-dropout`` (sentence-transformers keeps MiniLM's 0.1): the gradient cache's
+    chunks change no number with it on (a key per row draws each row's probabilities' mask
+    too); the stage's run records it in its settings and model, and an export writes it as
+    ``attention_probs_dropout_prob``."""
+    from clozax.core.model_config import MODERN
+    from clozax.interop.bert import BERT
+    from clozax.interop.modernbert import MODERNBERT
+
+    run, batch, pad = _params_and_batch(tiny_run)
+    model = dataclasses.replace(run.config.model, dropout=0.1, attention_dropout=0.1)
+    key = jax.random.key(3)
+    whole, cached = (make_loss_and_grads(model, "mean", 0.05, True, chunks, pad)(
+        run.params, batch, key) for chunks in (1, 4))
+    np.testing.assert_allclose(float(cached[0]), float(whole[0]), rtol=1e-5)
+    a, b = (np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(g)])
+            for g in (whole[2], cached[2]))
+    assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+    without = make_loss_and_grads(dataclasses.replace(model, attention_dropout=0.0), "mean",
+                                  0.05, True, 1, pad)(run.params, batch, key)
+    assert abs(float(without[0]) - float(whole[0])) > 1e-4  # the probabilities were dropped
+
+    ran = clozax(capsys, "embed", tiny_run, "--out", tmp_path / "emb", "--steps", 2,
+                 "--batch-size", 8, "--seq-len", 24, "--attention-dropout", 0.1)
+    assert ran.code == 0, ran.err
+    stage = load_run(tmp_path / "emb")
+    assert stage.info["stage"]["attention_dropout"] == 0.1
+    assert stage.config.model.attention_dropout == 0.1
+    exported = BERT.hf_config(stage.config.model, stage.specials)
+    assert exported["attention_probs_dropout_prob"] == 0.1
+    modern = dataclasses.replace(stage.config.model, **MODERN)
+    assert MODERNBERT.hf_config(modern, stage.specials)["attention_dropout"] == 0.1
+    line = one_line_error(capsys, "embed", tiny_run, "--out", tmp_path / "bad", "--steps", 2,
+                          "--attention-dropout", 1.5)
+    assert "attention_dropout" in line and not (tmp_path / "bad").exists()
+
+
 # One device against four (with and without hard negatives): test_embed_negatives.py
 
 

@@ -25,6 +25,10 @@ Symmetric = Annotated[bool, Opt(help="Also score each positive choosing its quer
 Pooling = Annotated[str, Opt(help="'mean' (the real tokens' mean) or 'cls'.")]
 SeqLen = Annotated[int, Opt(help="Tokens per text, [CLS] and [SEP] included.")]
 Dropout = Annotated[float, Opt(help="Encoder dropout during the stage.")]
+AttentionDropout = Annotated[float, Opt(help="Dropout on the attention probabilities during "
+                                             "the stage (BERT's attention_probs_dropout_prob, "
+                                             "which sentence-transformers keeps: MiniLM's "
+                                             "0.1); it runs the dense einsum attention path.")]
 Seed = Annotated[int, Opt(help="The stage's seed (pair order, dropout; retrieval's first).")]
 MaxPairs = Annotated[int | None, Opt(help="At most this many corpus pairs (a keyed "
                                           "sample).")]
@@ -73,8 +77,9 @@ def embed(
                                               "of it; re-estimated as it runs).")] = None,
     batch_size: BatchSize = 64, chunks: Chunks = 1, temperature: Temperature = 0.05,
     learning_rate: LearningRate = 1e-4, symmetric: Symmetric = False,
-    pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1, seed: Seed = 0,
-    max_pairs: MaxPairs = None, negatives: Negatives = "none", negatives_skip: NegativesSkip = 3,
+    pooling: Pooling = "mean", seq_len: SeqLen = 64, dropout: Dropout = 0.1,
+    attention_dropout: AttentionDropout = 0.0, seed: Seed = 0, max_pairs: MaxPairs = None,
+    negatives: Negatives = "none", negatives_skip: NegativesSkip = 3,
     pack: Pack = False, data: Data = None,
     save_every: Annotated[int, Opt(help="A checkpoint every this many updates (and at the "
                                         "end).")] = 100,
@@ -97,7 +102,8 @@ def embed(
     settings = StageSettings(pairs=pairs, steps=steps, minutes=minutes, batch_size=batch_size,
                              chunks=chunks, temperature=temperature,
                              learning_rate=learning_rate, symmetric=symmetric, pooling=pooling,
-                             seq_len=seq_len, dropout=dropout, seed=seed, max_pairs=max_pairs,
+                             seq_len=seq_len, dropout=dropout,
+                             attention_dropout=attention_dropout, seed=seed, max_pairs=max_pairs,
                              negatives=negatives, negatives_skip=negatives_skip, pack=pack,
                              data=_data(data), save_every=save_every,
                              save_every_minutes=save_every_minutes)
@@ -124,8 +130,9 @@ def retrieval(
     pairs: Pairs = "first-sentence", steps: Steps = 200, batch_size: BatchSize = 64,
     chunks: Chunks = 1, temperature: Temperature = 0.05, learning_rate: LearningRate = 1e-4,
     symmetric: Symmetric = False, pooling: Pooling = "mean", seq_len: SeqLen = 64,
-    dropout: Dropout = 0.1, seed: Seed = 0, max_pairs: MaxPairs = None,
-    negatives: Negatives = "none", negatives_skip: NegativesSkip = 3, pack: Pack = False,
+    dropout: Dropout = 0.1, attention_dropout: AttentionDropout = 0.0, seed: Seed = 0,
+    max_pairs: MaxPairs = None, negatives: Negatives = "none",
+    negatives_skip: NegativesSkip = 3, pack: Pack = False,
     data: Data = None,
     learning_rates: Annotated[str | None, Opt(help="Instead of --learning-rate: peaks to "
                                                    "choose from (e.g. 2e-5,5e-5,1e-4), on "
@@ -150,9 +157,9 @@ def retrieval(
     settings = StageSettings(pairs=pairs, steps=steps, batch_size=batch_size, chunks=chunks,
                              temperature=temperature, learning_rate=learning_rate,
                              symmetric=symmetric, pooling=pooling, seq_len=seq_len,
-                             dropout=dropout, seed=seed, max_pairs=max_pairs,
-                             negatives=negatives, negatives_skip=negatives_skip, pack=pack,
-                             data=_data(data))
+                             dropout=dropout, attention_dropout=attention_dropout, seed=seed,
+                             max_pairs=max_pairs, negatives=negatives,
+                             negatives_skip=negatives_skip, pack=pack, data=_data(data))
     result = retrieval_run(run, settings, seeds, beir, split, max_queries, out,
                            learning_rates=_rates(learning_rates), control=control)
     for name, d in result["differences_ndcg@10"].items():

@@ -138,11 +138,12 @@ def reference(q, k, v, mask):
     return jnp.einsum("bnqk,bknd->bqnd", probs, v)
 
 
-def einsum(q, k, v, mask, dtype):
+def einsum(q, k, v, mask, dtype, keep=None, rate: float = 0.0):
     """``kernels.attention``: batched matmuls with a hand-written backward that XLA:CPU runs in
-    YNNPACK; scores and softmax in float32. Returns float32."""
+    YNNPACK; scores and softmax in float32. Returns float32. ``keep`` (bool (batch, heads, q,
+    k)) and ``rate``: attention-probability dropout, the one path that has it."""
     q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
-    return kernels.attention(q, k, v, mask, dtype)
+    return kernels.attention(q, k, v, mask, dtype, keep, rate)
 
 
 def xla(q, k, v, mask, dtype):

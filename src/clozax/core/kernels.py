@@ -150,8 +150,8 @@ def plain_attention(q, k, v, mask, dtype):
     return _attention_fwd(q, k, v, mask, dtype)[0]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention(q, k, v, mask, dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 6))
+def attention(q, k, v, mask, dtype, keep=None, rate=0.0):
     """``plain_attention`` with a backward of four row-major batched matmuls.
 
     Forward: S = Q K^T (K contracted on its last axis), P = softmax(S), C = P V.
@@ -162,17 +162,27 @@ def attention(q, k, v, mask, dtype):
     operands; the modern-small step 11 % faster, interleaved A/B).
     dS = P (dP - rowsum(dP P)) / sqrt(head_dim), zero wherever the mask is False, as autodiff
     of ``where`` gives.
+
+    ``keep`` (bool, broadcastable to (batch, heads, q, k)) drops the probabilities it is False
+    at and scales the rest by 1 / (1 - ``rate``), BERT's attention-probability dropout:
+    C = (P * D) V with D = keep / (1 - rate), so dV = (P * D)^T dC and dP = (dC V^T) * D.
     """
-    return _attention_fwd(q, k, v, mask, dtype)[0]
+    return _attention_fwd(q, k, v, mask, dtype, keep, rate)[0]
 
 
-def _attention_fwd(q, k, v, mask, dtype):
+def _dropped(probs, keep, rate):
+    """The probabilities after attention dropout (``attention``'s P * D); P without ``keep``."""
+    return probs if keep is None else jnp.where(keep, probs / (1.0 - rate), 0.0)
+
+
+def _attention_fwd(q, k, v, mask, dtype, keep=None, rate=0.0):
     qh, kh, vh = (swap_seq_heads(t.astype(dtype)) for t in (q, k, v))  # (b, n, s, d)
     scores = jnp.einsum("bnqd,bnkd->bnqk", qh, kh, preferred_element_type=F32)
     scores = jnp.where(mask, scores / math.sqrt(q.shape[-1]), jnp.finfo(F32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # (b, n, q, k) float32
-    ctx = jnp.einsum("bnqk,bnkd->bnqd", probs.astype(dtype), vh, preferred_element_type=F32)
-    return swap_seq_heads(ctx), (qh, kh, vh, probs, mask)
+    ctx = jnp.einsum("bnqk,bnkd->bnqd", _dropped(probs, keep, rate).astype(dtype), vh,
+                     preferred_element_type=F32)
+    return swap_seq_heads(ctx), (qh, kh, vh, probs, mask, keep)
 
 
 def _transposes_scores(queries: int, keys: int, head_dim: int) -> bool:
@@ -181,22 +191,22 @@ def _transposes_scores(queries: int, keys: int, head_dim: int) -> bool:
     return queries * keys <= (queries + keys) * head_dim
 
 
-def _attention_bwd(dtype, residuals, dctx):
-    qh, kh, vh, probs, mask = residuals
+def _attention_bwd(dtype, rate, residuals, dctx):
+    qh, kh, vh, probs, mask, keep = residuals
     dc = swap_seq_heads(dctx.astype(dtype))  # (b, n, q, d)
-    dp = jnp.einsum("bnqd,bnkd->bnqk", dc, vh, preferred_element_type=F32)
+    dp = _dropped(jnp.einsum("bnqd,bnkd->bnqk", dc, vh, preferred_element_type=F32), keep, rate)
     ds = probs * (dp - jnp.sum(dp * probs, axis=-1, keepdims=True))
     ds = jnp.where(mask, ds / math.sqrt(qh.shape[-1]), 0.0).astype(dtype)  # (b, n, q, k)
     dq = jnp.einsum("bnqk,bnkd->bnqd", ds, kh, preferred_element_type=F32)
+    used = _dropped(probs, keep, rate).astype(dtype)  # what multiplied V
     if _transposes_scores(*probs.shape[-2:], qh.shape[-1]):
-        dv = jnp.einsum("bnkq,bnqd->bnkd", transpose(probs.astype(dtype)), dc,
-                        preferred_element_type=F32)
+        dv = jnp.einsum("bnkq,bnqd->bnkd", transpose(used), dc, preferred_element_type=F32)
         dk = jnp.einsum("bnkq,bnqd->bnkd", transpose(ds), qh, preferred_element_type=F32)
-        return (*(swap_seq_heads(t) for t in (dq, dk, dv)), None)  # (b, s, n, d) each
-    dvt = jnp.einsum("bndq,bnqk->bndk", transpose(dc), probs.astype(dtype),
+        return (*(swap_seq_heads(t) for t in (dq, dk, dv)), None, None)  # (b, s, n, d) each
+    dvt = jnp.einsum("bndq,bnqk->bndk", transpose(dc), used,
                      preferred_element_type=F32)  # (b, n, d, k)
     dkt = jnp.einsum("bndq,bnqk->bndk", transpose(qh), ds, preferred_element_type=F32)
-    return (swap_seq_heads(dq), *(permute(t, (0, 3, 1, 2)) for t in (dkt, dvt)), None)
+    return (swap_seq_heads(dq), *(permute(t, (0, 3, 1, 2)) for t in (dkt, dvt)), None, None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

@@ -116,16 +116,21 @@ def _split_qkv_bwd(_, cotangents):
 split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
 
 
+def keep_mask(key, which: int, rate: float, shape: tuple[int, ...]):
+    """Dropout's keep mask, bool ``shape`` (batch first), True with probability ``1 - rate``,
+    drawn from ``fold_in(key, which)``. ``key`` may be one key per row (shape (batch,)): each
+    row's mask is then drawn from its own key alone, the bits it would get as a batch of one
+    (the draw, not the encoder, is vectorised over the rows)."""
+    if key.ndim == 1:  # a key per row
+        return jax.vmap(lambda k: jax.random.bernoulli(jax.random.fold_in(k, which), 1.0 - rate,
+                                                       (1, *shape[1:]))[0])(key)
+    return jax.random.bernoulli(jax.random.fold_in(key, which), 1.0 - rate, shape)
+
+
 def dropout(y, key, which: int, rate: float):
-    """Inverted dropout of ``y`` with ``fold_in(key, which)``; ``y`` itself without a key
-    (pretraining and evaluation) or at rate 0. ``key`` may be one key per row of ``y``
-    (shape (batch,)): each row's mask is then drawn from its own key alone, the bits it would
-    get as a batch of one (the draw, not the encoder, is vectorised over the rows)."""
+    """Inverted dropout of ``y`` with ``keep_mask(key, which, rate, y.shape)``; ``y`` itself
+    without a key (pretraining and evaluation) or at rate 0."""
     if key is None or rate == 0:
         return y
-    if key.ndim == 1:  # a key per row
-        keep = jax.vmap(lambda k: jax.random.bernoulli(jax.random.fold_in(k, which), 1.0 - rate,
-                                                       (1, *y.shape[1:]))[0])(key)
-    else:
-        keep = jax.random.bernoulli(jax.random.fold_in(key, which), 1.0 - rate, y.shape)
+    keep = keep_mask(key, which, rate, y.shape)
     return jnp.where(keep, y / (1.0 - rate), 0.0).astype(y.dtype)

@@ -270,7 +270,8 @@ def apply(
     values and gradients are those of the unpadded block.
 
     ``dropout_key`` (fine-tuning) turns on ``config.dropout`` after the embeddings and each
-    block's attention and MLP outputs; without it (pretraining, evaluation) there is none. A
+    block's attention and MLP outputs, and ``config.attention_dropout`` on each block's
+    attention probabilities; without it (pretraining, evaluation) there is none. A
     key per row (shape (batch,): the contrastive stage) gives each row the masks it would get
     alone in a batch of one with its key."""
     inputs, attention_mask = jnp.asarray(inputs), jnp.asarray(attention_mask)
@@ -289,7 +290,7 @@ def apply(
     if c.embedding_norm:
         x = layers.layer_norm(x, emb["layer_norm"], c.layer_norm_eps)
     stacked = pattern.fused_layers(params["layers"], c)
-    if dropout_key is not None and c.dropout > 0:  # a key per layer, scanned with it
+    if dropout_key is not None and c.drops:  # a key per layer, scanned with it
         keys = (jax.random.split(dropout_key, c.layers + 1) if dropout_key.ndim == 0 else
                 jax.vmap(jax.random.split, (0, None), 1)(dropout_key, c.layers + 1))
         x, stacked = layers.dropout(x, keys[-1], 0, c.dropout), {

@@ -47,6 +47,11 @@ class ModelConfig:
     # ``apply(dropout_key=...)``: after the embeddings and each attention and MLP output, as
     # BERT's hidden_dropout_prob; an import keeps the checkpoint's. Pretraining passes no key.
     dropout: float = 0.0  # hidden dropout while fine-tuning (BERT's 0.1); pretraining has none
+    # ``apply(dropout_key=...)``: on the attention probabilities, as BERT's
+    # attention_probs_dropout_prob (sentence-transformers keeps MiniLM's 0.1). It runs the
+    # ``einsum`` path whatever ``attention`` says (the fused kernels draw no dropout). An import
+    # leaves it 0; the contrastive stage's ``--attention-dropout`` sets it.
+    attention_dropout: float = 0.0
     init_std: float = 0.02
     # "normal": every kernel and embedding N(0, init_std). "modernbert": ModernBERT's rule (HF
     # ModernBertPreTrainedModel._init_weights): normals truncated at +-init_cutoff std, std
@@ -118,9 +123,11 @@ class ModelConfig:
                 "bool; use true or false"
             )
         self._check_architecture()
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
-                or not 0 <= self.dropout < 1:
-            raise ValueError(f"model.dropout={self.dropout!r} is not in [0, 1); use e.g. 0.1")
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not 0 <= value < 1:
+                raise ValueError(f"model.{name}={value!r} is not in [0, 1); use e.g. 0.1")
         if self.init not in INITS:
             raise ValueError(f"model.init={self.init!r} is not one of {INITS}")
         for name in ("layer_norm_eps", "init_std", "init_cutoff", "rope_theta_global",
@@ -169,6 +176,11 @@ class ModelConfig:
     def is_global(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) attends to every position (ModernBERT's rule)."""
         return layer % self.global_every == 0
+
+    @property
+    def drops(self) -> bool:
+        """Whether ``apply(dropout_key=...)`` drops anything (hidden or attention dropout)."""
+        return self.dropout > 0 or self.attention_dropout > 0
 
     @property
     def head_dim(self) -> int:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from clozax.core import attention as attention_lib
+from clozax.core import layers
 from clozax.core import positions as positions_lib
 from clozax.core.model_config import ModelConfig
 
@@ -108,6 +109,8 @@ def layer_attention(q, k, v, p, shared, config: ModelConfig, rows=None):
     vis = shared["vis"] if rows is None else attention_lib.at_rows(shared["vis"], rows)
     plan = attention_plan(c, k.shape[1], rows is not None)
     half = c.local_window // 2
+    if p.get("dropout_key") is not None and c.attention_dropout > 0:
+        return _dropped_attention(q, k, v, p, vis, c)
     masks = ((shared["mask"], shared["local_mask"]) if rows is None
              else _dense_masks(vis, plan, half))  # the selected queries' rows: (b, 1, count, k)
 
@@ -125,3 +128,18 @@ def layer_attention(q, k, v, p, shared, config: ModelConfig, rows=None):
         mask = jnp.where(p["is_global"], masks[0], masks[1])
         return attention_lib.attend(q, k, v, vis, plan.global_, None, c.dtype, mask)
     return jax.lax.cond(p["is_global"], global_layer, local_layer)
+
+
+def _dropped_attention(q, k, v, p, vis, config: ModelConfig):
+    """``layer_attention`` with attention-probability dropout (a dropout key and
+    ``attention_dropout`` > 0): the ``einsum`` path under the layer's dense mask, whatever the
+    plan, since no fused path draws dropout. The keep mask is ``fold_in(layer key, 2)``'s
+    (0 and 1 are the block's hidden dropouts), per row with a key per row."""
+    c = config
+    mask = attention_lib.dense_mask(vis)
+    if c.has_local_layers:
+        mask = jnp.where(p["is_global"], mask, attention_lib.dense_mask(vis, c.local_window // 2))
+    shape = (q.shape[0], c.heads, q.shape[1], k.shape[1])  # (batch, heads, q, k)
+    keep = layers.keep_mask(p["dropout_key"], 2, c.attention_dropout, shape)
+    return attention_lib.einsum(q, k, v, mask, c.dtype, keep, c.attention_dropout)
+

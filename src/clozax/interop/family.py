@@ -129,10 +129,10 @@ class Family:
             **shape_config(self, c, with_head),
             "max_position_embeddings": c.max_positions + self.position_offset(pad),
             "hidden_act": "gelu",  # exact erf, as clozax computes it
-            # model.dropout (fine-tuning's hidden dropout; clozax pretrains without any).
-            # clozax has no attention-probability dropout.
+            # model.dropout and model.attention_dropout (fine-tuning's and the contrastive
+            # stage's; clozax pretrains without any).
             "hidden_dropout_prob": c.dropout,
-            "attention_probs_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": c.attention_dropout,
             "layer_norm_eps": c.layer_norm_eps,
             "initializer_range": c.init_std,
             "type_vocab_size": 2,  # both rows zero: token types change nothing

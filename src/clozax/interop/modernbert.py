@@ -147,8 +147,9 @@ class ModernBertFamily:
             "global_rope_theta": c.rope_theta_global,  # older transformers' names
             "local_rope_theta": c.rope_theta_local,
             # model.dropout (fine-tuning's; clozax pretrains without any) after the embeddings
-            # and the MLP; clozax has none on attention.
-            "attention_dropout": 0.0, "embedding_dropout": c.dropout, "mlp_dropout": c.dropout,
+            # and the MLP, model.attention_dropout on the attention probabilities.
+            "attention_dropout": c.attention_dropout, "embedding_dropout": c.dropout,
+            "mlp_dropout": c.dropout,
             "pad_token_id": int(specials["pad"]),
             "bos_token_id": int(specials["cls"]), "cls_token_id": int(specials["cls"]),
             "eos_token_id": int(specials["sep"]), "sep_token_id": int(specials["sep"]),

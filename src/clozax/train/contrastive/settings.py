@@ -39,6 +39,9 @@ class StageSettings:
     pooling: str = "mean"
     seq_len: int = 64  # tokens per text, [CLS] and [SEP] included
     dropout: float = 0.1  # SimCSE's only noise; BERT's default
+    # on the attention probabilities (BERT's attention_probs_dropout_prob, which
+    # sentence-transformers keeps: MiniLM's 0.1); 0 leaves the encoder's attention as is
+    attention_dropout: float = 0.0
     seed: int = 0
     max_pairs: int | None = None  # a keyed sample of the corpus pairs
     negatives: str = "none"  # "bm25": a hard negative per corpus pair, mined by BM25
@@ -75,6 +78,7 @@ class StageSettings:
         check_real("learning_rate", self.learning_rate, 0.0, math.inf, low_open=True,
                    high_open=True)
         check_real("dropout", self.dropout, 0.0, 1.0, high_open=True)
+        check_real("attention_dropout", self.attention_dropout, 0.0, 1.0, high_open=True)
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("negatives", self.negatives, NEGATIVES)
         check_int("negatives_skip", self.negatives_skip, 0)

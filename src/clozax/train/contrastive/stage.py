@@ -96,7 +96,8 @@ def make_stage(run: LoadedRun, settings: StageSettings, steps: int, mesh=None) -
     run.check_length(settings.seq_len, "--seq-len")
     rows, source = pair_rows(run, settings)
     digest = hashlib.sha256(b"".join(rows[s].tobytes() for s in sorted(rows))).hexdigest()
-    model = dataclasses.replace(run.config.model, dropout=settings.dropout)
+    model = dataclasses.replace(run.config.model, dropout=settings.dropout,
+                                attention_dropout=settings.attention_dropout)
     optim = config_lib.OptimConfig(learning_rate=settings.learning_rate,
                                    warmup_steps=max(1, math.ceil(steps / 10)),
                                    weight_decay=0.01, b2=0.999, eps=1e-8)

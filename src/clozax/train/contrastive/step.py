@@ -67,7 +67,8 @@ def row_keys(key, side: str, rows):
 
 def make_embedder(model_config, pooling: str):
     """``(params, ids [N, L], key | None) -> [N, H]`` unit-length pooled embeddings; a key
-    turns on ``model_config.dropout``. Padding is ``ids == pad`` (the mask is given)."""
+    turns on ``model_config.dropout`` (and ``attention_dropout``). Padding is ``ids == pad``
+    (the mask is given)."""
 
     def embed(params, ids, mask, key):
         hidden = model_lib.apply(params, model_config, ids, mask, mask.astype(jnp.int32),
@@ -114,7 +115,7 @@ def make_loss_and_grads(model_config, pooling: str, temperature: float, symmetri
     embed = make_embedder(model_config, pooling)
 
     def embed_rows(params, ids, rows, key, side):  # rows: each row's index in the batch
-        if model_config.dropout == 0:
+        if not model_config.drops:
             return embed(params, ids, ids != pad, None)
         return embed(params, ids, ids != pad, row_keys(key, side, rows))
 
@@ -168,7 +169,7 @@ def _packed_loss_and_grads(model_config, pooling: str, loss_of):
         def embed_side(p, side):
             ids = batch[side]
             keys = (row_keys(key, side, jnp.arange(ids.shape[0]))
-                    if model_config.dropout > 0 else None)
+                    if model_config.drops else None)
             return embed(p, ids, batch[f"{side}_segments"], batch[f"{side}_where"], keys)
 
         def loss(p):
