@@ -104,13 +104,14 @@ def layer_attention(q, k, v, p, shared, config: ModelConfig, rows=None):
     the layer's parameters and flags; ``shared`` as ``shared`` gives it. Returns float32.
 
     Where both kinds run one dense path, one call takes the layer's mask (``jnp.where`` on the
-    flag); otherwise ``jax.lax.cond`` runs only the layer's path, both compiled once."""
+    flag); otherwise ``jax.lax.cond`` runs only the layer's path, both compiled once. With a
+    dropout key in ``p`` and ``attention_dropout`` > 0, ``_dropped_attention`` instead."""
     c = config
     vis = shared["vis"] if rows is None else attention_lib.at_rows(shared["vis"], rows)
-    plan = attention_plan(c, k.shape[1], rows is not None)
-    half = c.local_window // 2
     if p.get("dropout_key") is not None and c.attention_dropout > 0:
         return _dropped_attention(q, k, v, p, vis, c)
+    plan = attention_plan(c, k.shape[1], rows is not None)
+    half = c.local_window // 2
     masks = ((shared["mask"], shared["local_mask"]) if rows is None
              else _dense_masks(vis, plan, half))  # the selected queries' rows: (b, 1, count, k)
 
