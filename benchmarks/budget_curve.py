@@ -141,7 +141,8 @@ def figure(curve: dict, path: Path) -> None:
     ax.set_ylim(max(low, 0.0), min(high, 100.0))  # an accuracy's interval may overshoot
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [f"{m:g}" for m in x])
-    ax.set_xlabel("pretraining budget (minutes on this CPU)")
+    pace = curve.get("pace_steps_per_minute")  # minutes are this many steps each, whatever the CPU
+    ax.set_xlabel("pretraining budget (minutes" + (f" of {pace:g} steps" if pace else "") + ")")
     ax.set_ylabel(f"built-in task, test {curve['metric']} (%)")
     ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
